@@ -1,0 +1,22 @@
+"""lightning_tp3d: tensor x pipeline x data parallel training for Lightning, from layout to serving."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_tp3d.config import MODEL_PRESETS, ModelConfig, resolve_model_config
+from lightning_tp3d.layout import LayoutError, ParallelLayout, RankCoordinates
+from lightning_tp3d.strategy import TP3DStrategy
+
+__all__ = [
+    "LayoutError",
+    "MODEL_PRESETS",
+    "ModelConfig",
+    "ParallelLayout",
+    "RankCoordinates",
+    "TP3DStrategy",
+    "resolve_model_config",
+]
+
+__version__ = "0.1.0"
+
+if TP3DStrategy.strategy_name not in StrategyRegistry:
+    TP3DStrategy.register_strategies(StrategyRegistry)

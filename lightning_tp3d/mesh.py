@@ -1,0 +1,28 @@
+"""The process mesh: a `DeviceMesh` of shape (pp, dp, tp) built from a validated layout.
+
+tp is the innermost dimension, so a tensor-parallel group is a run of consecutive ranks and sits
+inside one node under the usual one-process-per-GPU launch; pp is outermost. The mesh's rank order
+is the layout's: `rank = (pp x dp_size + dp) x tp_size + tp`.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_tp3d.layout import LayoutError, ParallelLayout
+
+__all__ = ["build_device_mesh"]
+
+
+def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
+    """A 3-D mesh with dimensions named ("pp", "dp", "tp"); needs an initialised default process group."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_device_mesh needs torch.distributed to be initialised first.")
+    layout.validate_world_size(dist.get_world_size())
+    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.mesh_dim_names)
+    expected = layout.coordinates(dist.get_rank())
+    found = tuple(mesh.get_local_rank(name) for name in layout.mesh_dim_names)
+    if found != tuple(expected):
+        raise LayoutError(f"mesh coordinates {found} of rank {dist.get_rank()} differ from the layout's {expected}.")
+    return mesh

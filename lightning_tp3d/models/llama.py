@@ -1,0 +1,172 @@
+"""Reference DeepSeek-LLM / Llama-style decoder with Hugging Face parameter names.
+
+`LlamaForCausalLM` here has the same module tree as transformers' `LlamaForCausalLM`
+(`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`, `model.layers.{i}.mlp.gate_proj`,
+`model.layers.{i}.input_layernorm`, `model.norm`, `lm_head`) and the same math (RMSNorm, rotate-half
+RoPE, grouped-query attention, SwiGLU), so exporting is a gather of shards and not a translation.
+
+Pipeline-friendly by construction: the blocks live in a `ModuleDict` keyed by their global index, so
+`model.layers.7.self_attn.q_proj.weight` keeps its name on whichever stage owns it, and the embedding,
+final norm and head may be `None` on stages that do not own them.
+
+Tensor-parallel friendly: attention reshapes with `view(batch, seq, -1, head_dim)`, so under a column-
+parallel q/k/v projection each tp rank runs attention over its own `heads / tp` heads on local tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_tp3d.config import ModelConfig
+
+__all__ = ["IGNORE_INDEX", "LlamaForCausalLM", "causal_lm_loss"]
+
+IGNORE_INDEX = -100
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean token cross entropy over labels != -100; `labels[b, s]` is the target of position s."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 as transformers does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype):
+    """cos/sin of angle(p, i) = p / theta^(2i / head_dim), duplicated over both halves (rotate-half RoPE)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention; heads are inferred from the projections' (local) widths."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.head_dim = hd
+        self.rope_theta = config.rope_theta
+        self.dropout = config.attention_dropout
+        self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        cos, sin = _rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device, q.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x)))
+        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, blocks keyed by global index, final norm; each part optional for pipeline stages."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder language model: `forward(input_ids)` gives logits, `forward(input_ids, labels)` the loss.
+
+    On a pipeline stage without the embedding the input is the previous stage's hidden states
+    `[batch, seq, hidden]`; without the head the output is hidden states.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_weights()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, initializer_range) for projections and embedding, ones for norms (as transformers)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(mean=0.0, std=self.config.initializer_range)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor:
+        x = self.model(input_ids)
+        if self.lm_head is not None:
+            x = self.lm_head(x)
+        if labels is None:
+            return x
+        return causal_lm_loss(x, labels)

@@ -1,0 +1,73 @@
+"""`CausalLMModule`: the LightningModule that trains the reference decoder at any layout.
+
+The contract with `TP3DStrategy` (what makes one module run unchanged at every (tp, pp, dp)):
+
+* the network is built in `configure_model` (or `__init__`) and stored under one attribute,
+  `self.model` by default (`TP3DStrategy(model_attribute=...)` names another);
+* the loss is computed by calling that network with the labels, `self.model(input_ids, labels=labels)`,
+  which returns the mean token loss; the strategy may route this call through a pipeline schedule;
+* batches are dicts with `input_ids` and `labels` of shape `[batch, seq]` (`labels` already shifted:
+  `labels[:, s]` is the token that follows `input_ids[:, s]`).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from lightning_tp3d.config import ModelConfig, resolve_model_config
+from lightning_tp3d.models.llama import LlamaForCausalLM
+
+__all__ = ["CausalLMModule"]
+
+
+class CausalLMModule(L.LightningModule):
+    """Next-token training of `LlamaForCausalLM` with AdamW.
+
+    Args:
+        model: a preset name (`tiny`, `deepseek-llm-7b`, ...), a `config.json` path or a `ModelConfig`.
+        learning_rate, weight_decay, betas: AdamW settings.
+        init_seed: seed of the weight initialisation, independent of the rank's random state, so every
+            layout starts from identical weights.
+    """
+
+    def __init__(
+        self,
+        model: str | ModelConfig = "tiny",
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        init_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["model"])
+        self.config = resolve_model_config(model)
+        self.model: LlamaForCausalLM | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        with torch.random.fork_rng():
+            torch.manual_seed(self.hparams.init_seed)
+            self.model = LlamaForCausalLM(self.config)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(batch["input_ids"], labels=batch["labels"])
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(batch["input_ids"], labels=batch["labels"])
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            self.parameters(),
+            lr=self.hparams.learning_rate,
+            weight_decay=self.hparams.weight_decay,
+            betas=tuple(self.hparams.betas),
+        )

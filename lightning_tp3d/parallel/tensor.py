@@ -1,0 +1,98 @@
+"""Tensor parallelism with DTensor: a plan maps module-name patterns to parallel styles.
+
+The default plan for Llama names is Megatron's:
+
+* q/k/v and gate/up projections are column parallel: Y = X A with A = [A_1, ..., A_t] split along its
+  output dimension (the weight along dim 0); tp rank r computes Y_r = X A_r, i.e. its own heads / its
+  own slice of the MLP's hidden units;
+* o and down projections are row parallel: Y = sum_r X_r B_r with B split along its input dimension
+  (the weight along dim 1); the partial sums are all-reduced over tp;
+* the embedding is vocab parallel (the weight split along dim 0 over the vocabulary, the looked-up
+  rows all-reduced) and the head column parallel over the vocabulary, its logits gathered;
+* norms stay replicated.
+
+Outputs are plain local tensors (`use_local_output=True`) so attention runs on each rank's heads
+without a DTensor rule for SDPA.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from importlib import import_module
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+__all__ = ["TensorParallelPlan", "apply_tensor_parallel", "llama_tp_plan", "resolve_tp_plan"]
+
+TensorParallelPlan = Mapping[str, ParallelStyle]
+
+
+def llama_tp_plan() -> dict[str, ParallelStyle]:
+    """Plan for Hugging Face Llama names, relative to the `LlamaForCausalLM` root."""
+    plan: dict[str, ParallelStyle] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        plan[f"model.layers.*.{name}"] = ColwiseParallel()
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        plan[f"model.layers.*.{name}"] = RowwiseParallel()
+    return plan
+
+
+def resolve_tp_plan(plan: TensorParallelPlan | Callable[[], TensorParallelPlan] | str | None) -> TensorParallelPlan:
+    """A plan, a function returning one, or its import path `"package.module:function"`; None is Llama's."""
+    if plan is None:
+        return llama_tp_plan()
+    if isinstance(plan, str):
+        module_name, _, attribute = plan.partition(":")
+        if not attribute:
+            raise ValueError(f"tp_plan={plan!r} must look like 'package.module:function_returning_a_plan'.")
+        plan = getattr(import_module(module_name), attribute)
+    if callable(plan):
+        plan = plan()
+    if not isinstance(plan, Mapping) or not all(isinstance(style, ParallelStyle) for style in plan.values()):
+        raise TypeError("tp_plan must map module-name patterns to torch.distributed.tensor.parallel styles.")
+    return plan
+
+
+def _check_plan_matches(model: nn.Module, plan: TensorParallelPlan) -> None:
+    names = [name for name, _ in model.named_modules() if name]
+    for pattern in plan:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise ValueError(
+                f"tp_plan entry {pattern!r} matches no module of {type(model).__name__}; module names look like"
+                f" {names[:6]}. Patterns are relative to the model root and may use '*' for one name level."
+            )
+
+
+def _tied_parameter_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            owners.setdefault(id(parameter), []).append((module, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> nn.Module:
+    """Shard `model` in place over `tp_mesh` following `plan`; tied parameters stay tied."""
+    _check_plan_matches(model, plan)
+    tied_groups = _tied_parameter_groups(model)
+    parallelize_module(model, tp_mesh, dict(plan))
+    for group in tied_groups:
+        (first_module, first_name), *others = group
+        shared = getattr(first_module, first_name)
+        for module, name in others:
+            current = getattr(module, name)
+            if getattr(current, "placements", None) != getattr(shared, "placements", None):
+                raise ValueError(
+                    f"tied parameters {type(first_module).__name__}.{first_name} and {type(module).__name__}.{name}"
+                    " are sharded differently by the tp_plan; give them the same placement (e.g. vocab-parallel"
+                    " embedding with a column-parallel head) or untie them."
+                )
+            setattr(module, name, shared)
+    return model

@@ -1,0 +1,148 @@
+"""Shared pieces of the training tests: the single-process reference and what a parallel run records."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.models import CausalLMModule
+
+SEQ_LEN = 16
+LEARNING_RATE = 3e-3
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a collective over its mesh when it is a DTensor), detached on the CPU."""
+    tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.detach().cpu().clone()
+
+
+def named_full(module: nn.Module, attribute: str = "data", prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Whole parameters (or gradients) by name, with the LightningModule's `prefix` removed."""
+    values = {}
+    for name, parameter in module.named_parameters():
+        value = parameter if attribute == "data" else parameter.grad
+        values[name.removeprefix(prefix)] = full_tensor(value)
+    return values
+
+
+class MemoryLogger(Logger):
+    """Keeps every logged metric: (step, name, value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int, str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.extend((step, key, float(value)) for key, value in metrics.items())
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def values(self, key: str) -> list[float]:
+        return [value for _, name, value in self.records if name == key]
+
+
+class CaptureGradients(Callback):
+    """Whole gradients before the first optimizer update, and whole parameters at the end of fit."""
+
+    def __init__(self, prefix: str = "model.") -> None:
+        self.prefix = prefix
+        self.first_grads: dict[str, torch.Tensor] | None = None
+        self.final_params: dict[str, torch.Tensor] | None = None
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self.first_grads is None:
+            self.first_grads = named_full(pl_module, "grad", self.prefix)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.final_params = named_full(pl_module, "data", self.prefix)
+
+
+def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
+    kwargs = dict(
+        accelerator="cpu", max_steps=10, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, log_every_n_steps=1, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def _training_sample_order(num_samples: int, seed: int = 0) -> torch.Tensor:
+    """Lightning shuffles training data with `DistributedSampler(seed=PL_GLOBAL_SEED or 0)`: epoch 0 is
+    `randperm(n)` from a generator seeded with `seed`, and rank r takes every dp-th index from r on."""
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed))
+
+
+def reference_network() -> nn.Module:
+    module = CausalLMModule("tiny", learning_rate=LEARNING_RATE)
+    module.configure_model()
+    return module.model
+
+
+def reference_run(
+    steps: int,
+    global_batch_size: int,
+    clip_norm: float | None = None,
+    validate_batch_size: int | None = None,
+    build_network: Callable[[], nn.Module] = reference_network,
+) -> dict[str, Any]:
+    """Plain single-process PyTorch: the same network, data order and AdamW as the module, no Lightning.
+
+    Each step takes the next `global_batch_size` windows of the epoch's permutation, which is exactly the
+    union of what the dp ranks' DistributedSamplers hand out in that step."""
+    model = build_network()
+    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=global_batch_size, val_fraction=0.2)
+    data.setup()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
+    losses, first_grads = [], None
+    order = _training_sample_order(len(data.train_dataset))
+    for step in range(steps):
+        samples = [data.train_dataset[int(i)] for i in order[step * global_batch_size : (step + 1) * global_batch_size]]
+        input_ids = torch.stack([sample["input_ids"] for sample in samples])
+        labels = torch.stack([sample["labels"] for sample in samples])
+        optimizer.zero_grad()
+        loss = model(input_ids, labels=labels)
+        loss.backward()
+        if first_grads is None:
+            first_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        optimizer.step()
+        losses.append(loss.item())
+    result = {"losses": losses, "first_grads": first_grads,
+              "final_params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+    if validate_batch_size is not None:
+        result["val_loss"] = reference_validation_loss(model, data, batch_size=validate_batch_size)
+    return result
+
+
+@torch.no_grad()
+def reference_validation_loss(model: nn.Module, data: TokenDataModule, batch_size: int, dp: int = 2) -> float:
+    """Lightning's distributed validation, replayed: per dp rank a DistributedSampler shard, the mean of its
+    batch losses, then the mean over dp ranks."""
+    model.eval()
+    rank_means = []
+    for rank in range(dp):
+        sampler = torch.utils.data.DistributedSampler(data.val_dataset, num_replicas=dp, rank=rank, shuffle=False)
+        loader = torch.utils.data.DataLoader(data.val_dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+        batch_losses = [model(batch["input_ids"], labels=batch["labels"]).item() for batch in loader]
+        rank_means.append(sum(batch_losses) / len(batch_losses))
+    model.train()
+    return sum(rank_means) / dp
