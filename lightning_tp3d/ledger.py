@@ -1,0 +1,230 @@
+"""The memory ledger: what one rank holds for a layout, before anything is launched.
+
+All figures are bytes per rank, for the rank of each pipeline stage (ranks of one stage differ only by
+their tp / dp shard, which are equal in size). Notation: h hidden, f ffn, a heads, k kv heads, d head
+dim (a d = h), V vocab, L layers, t tp, s sequence length, b micro-batch.
+
+* Parameters of one layer on a tp rank: (2 h a d + 2 h k d + 3 h f) / t + 2 h (norms replicated).
+  The embedding and the head are vocab parallel (V h / t each) on the first and last stage; the final
+  norm (h) on the last. FSDP divides parameters, gradients and optimizer state by dp.
+* Bytes per parameter: `32-true`, `bf16-mixed`, `16-mixed` keep fp32 parameters (the master weights
+  autocast reads), fp32 gradients and Adam's two fp32 moments: 4 + 4 + 8. `bf16-true`: 2 + 2 + 4.
+* Activations saved for backward by one layer and one micro-batch, in units of the activation
+  element (4 bytes in fp32, 2 under 16-bit precisions), for this package's decoder with fused
+  attention (no s x s score matrix is kept):
+      s b [4 h  +  (a + k) d / t  +  5 h / t  +  4 f / t]
+  (two RMSNorm inputs/outputs replicated over tp, q/k before RoPE, SDPA's q, k, v and output, the
+  o-projection input, and the SwiGLU's gate, up, activation and product). With full recompute a layer
+  keeps only its input, s b h, plus one layer's full set while it is recomputed. The last stage adds
+  the logits and their softmax in fp32: 2 s b V x 4 bytes.
+* In-flight micro-batches: with 1F1B stage i holds min(m, pp - i) micro-batches' activations, with
+  GPipe all m; without pipelining one.
+* Serving KV cache: 2 x L x k x d x bytes per token, split over the deploy tp size (kv heads are
+  replicated when tp exceeds k, as vLLM does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from lightning_tp3d.config import ModelConfig
+from lightning_tp3d.layout import LayoutError, ParallelLayout
+
+__all__ = [
+    "PRECISIONS",
+    "DeployOption",
+    "ServingLedger",
+    "StageLedger",
+    "TrainingLedger",
+    "TrainingOptions",
+    "deploy_options",
+    "serving_ledger",
+    "training_ledger",
+]
+
+# precision -> (parameter, gradient, optimizer-state bytes per parameter, activation element bytes)
+PRECISIONS: dict[str, tuple[int, int, int, int]] = {
+    "32-true": (4, 4, 8, 4),
+    "bf16-mixed": (4, 4, 8, 2),
+    "16-mixed": (4, 4, 8, 2),
+    "bf16-true": (2, 2, 4, 2),
+}
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    seq_len: int = 4096
+    precision: str = "bf16-mixed"
+    recompute: Literal["none", "full"] = "none"
+    data_parallel_mode: Literal["replicate", "fsdp"] = "replicate"
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not one of {sorted(PRECISIONS)}.")
+        if self.recompute not in ("none", "full"):
+            raise ValueError(f"recompute={self.recompute!r} is not one of ['none', 'full'].")
+        if self.data_parallel_mode not in ("replicate", "fsdp"):
+            raise ValueError(f"data_parallel_mode={self.data_parallel_mode!r} is not one of ['replicate', 'fsdp'].")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule={self.schedule!r} is not one of ['1f1b', 'gpipe'].")
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {self.seq_len}.")
+
+
+@dataclass(frozen=True)
+class StageLedger:
+    stage: int
+    first_layer: int
+    num_layers: int
+    parameters: int
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    in_flight_microbatches: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class TrainingLedger:
+    model_parameters: int
+    layout: dict[str, Any]
+    options: dict[str, Any]
+    stages: list[StageLedger]
+
+    @property
+    def peak_stage(self) -> StageLedger:
+        return max(self.stages, key=lambda stage: stage.total_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model_parameters": self.model_parameters,
+            "layout": self.layout,
+            "options": self.options,
+            "stages": [asdict(stage) | {"total_bytes": stage.total_bytes} for stage in self.stages],
+            "peak_bytes_per_rank": self.peak_stage.total_bytes,
+        }
+
+
+def _layer_parameters(config: ModelConfig, tp: int) -> int:
+    h, d = config.hidden_size, config.head_dim
+    sharded = 2 * h * config.num_attention_heads * d + 2 * h * config.num_key_value_heads * d
+    sharded += 3 * h * config.intermediate_size
+    return sharded // tp + 2 * h
+
+
+def _layer_activation_elements(config: ModelConfig, tp: int, seq_len: int, micro_batch: int) -> int:
+    h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
+    heads = (config.num_attention_heads + config.num_key_value_heads) * d
+    return seq_len * micro_batch * (4 * h + (heads + 5 * h + 4 * f) // tp)
+
+
+def training_ledger(config: ModelConfig, layout: ParallelLayout, options: TrainingOptions) -> TrainingLedger:
+    """Per-stage memory of one rank for training `config` at `layout` (see the module docstring)."""
+    layout.validate_model(config)
+    tp, pp, dp = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size
+    weight, gradient, optimizer, activation = PRECISIONS[options.precision]
+    shard = dp if options.data_parallel_mode == "fsdp" else 1
+    s, b, m = options.seq_len, layout.micro_batch_size, layout.num_microbatches
+    full_layer = _layer_activation_elements(config, tp, s, b)
+    stages = []
+    for stage, layers in enumerate(layout.stage_layer_ranges(config.num_hidden_layers)):
+        first, last = stage == 0, stage == pp - 1
+        parameters = len(layers) * _layer_parameters(config, tp)
+        if first:
+            parameters += config.vocab_size * config.hidden_size // tp
+        if last:
+            parameters += config.hidden_size
+            if not (config.tie_word_embeddings and first):
+                parameters += config.vocab_size * config.hidden_size // tp
+        if options.recompute == "full":
+            elements = len(layers) * s * b * config.hidden_size + full_layer
+        else:
+            elements = len(layers) * full_layer
+        activation_bytes = elements * activation
+        if last:
+            activation_bytes += 2 * s * b * config.vocab_size * 4
+        in_flight = 1 if pp == 1 else (m if options.schedule == "gpipe" else min(m, pp - stage))
+        local = -(-parameters // shard)
+        stages.append(StageLedger(
+            stage=stage, first_layer=layers.start, num_layers=len(layers), parameters=parameters,
+            weight_bytes=local * weight, gradient_bytes=local * gradient, optimizer_bytes=local * optimizer,
+            activation_bytes=activation_bytes * in_flight, in_flight_microbatches=in_flight,
+        ))
+    return TrainingLedger(config.num_parameters(), layout.to_dict(), asdict(options), stages)
+
+
+@dataclass(frozen=True)
+class DeployOption:
+    tensor_parallel_size: int
+    valid: bool
+    reason: str
+    weight_bytes_per_gpu: int = 0
+    kv_bytes_per_token_per_gpu: int = 0
+
+
+@dataclass(frozen=True)
+class ServingLedger:
+    dtype: str
+    seq_len: int
+    num_seqs: int
+    kv_bytes_per_token: int
+    kv_bytes_per_sequence: int
+    kv_bytes_total: int
+    options: list[DeployOption] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        values = asdict(self)
+        values["options"] = [asdict(option) for option in self.options]
+        return values
+
+
+def _deploy_reason(config: ModelConfig, tp: int) -> str:
+    if config.num_attention_heads % tp:
+        return f"{tp} does not divide num_attention_heads={config.num_attention_heads}"
+    kv = config.num_key_value_heads
+    if kv % tp and tp % kv:
+        return f"{tp} neither divides nor is a multiple of num_key_value_heads={kv}"
+    if config.intermediate_size % tp:
+        return f"{tp} does not divide intermediate_size={config.intermediate_size}"
+    return "ok"
+
+
+def deploy_options(config: ModelConfig, dtype_bytes: int, candidates: tuple[int, ...] = (1, 2, 4, 8, 16)):
+    """For each deploy tp size: valid or why not, weights and KV bytes per token on each GPU (PP merged)."""
+    options = []
+    h, d = config.hidden_size, config.head_dim
+    for tp in candidates:
+        reason = _deploy_reason(config, tp)
+        if reason != "ok":
+            options.append(DeployOption(tp, False, reason))
+            continue
+        kv_heads = max(1, config.num_key_value_heads // tp)
+        layer = (2 * h * config.num_attention_heads * d + 3 * h * config.intermediate_size) // tp
+        layer += 2 * h * kv_heads * d + 2 * h
+        vocab = config.vocab_size * h // tp * (1 if config.tie_word_embeddings else 2)
+        weights = (config.num_hidden_layers * layer + vocab + h) * dtype_bytes
+        kv_per_token = 2 * config.num_hidden_layers * kv_heads * d * dtype_bytes
+        options.append(DeployOption(tp, True, reason, weights, kv_per_token))
+    return options
+
+
+def serving_ledger(config: ModelConfig, seq_len: int, num_seqs: int = 1, dtype: str = "bf16") -> ServingLedger:
+    """KV cache 2 x layers x kv_heads x head_dim x seq x seqs x bytes, and the deploy tp alignment."""
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPE_BYTES)}.")
+    if seq_len < 1 or num_seqs < 1:
+        raise LayoutError(f"serving seq_len and num_seqs must be positive, got {seq_len} and {num_seqs}.")
+    element = _DTYPE_BYTES[dtype]
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+    return ServingLedger(
+        dtype=dtype, seq_len=seq_len, num_seqs=num_seqs, kv_bytes_per_token=per_token,
+        kv_bytes_per_sequence=per_token * seq_len, kv_bytes_total=per_token * seq_len * num_seqs,
+        options=deploy_options(config, element),
+    )

@@ -1,0 +1,37 @@
+"""`tp3d plan` prints the ledger, emits JSON, and refuses bad layouts with one line."""
+
+from __future__ import annotations
+
+import json
+
+from lightning_tp3d.cli import main
+
+
+def test_plan_deepseek_7b_json(capsys):
+    assert main(["plan", "deepseek-llm-7b", "--tp", "8", "--pp", "4", "--dp", "2", "--num-microbatches", "8",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["training"]["model_parameters"] == 6_910_365_696
+    assert [stage["parameters"] for stage in report["training"]["stages"]] == [229_564_416, 202_440_704,
+                                                                               202_440_704, 229_568_512]
+    assert report["training"]["layout"]["tensor_parallel_size"] == 8
+    assert {option["tensor_parallel_size"] for option in report["serving"]["options"] if option["valid"]} == {
+        1, 2, 4, 8, 16}
+
+
+def test_plan_table_and_config_json(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}))
+    assert main(["plan", str(config), "--tp", "2", "--pp", "2", "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "peak per rank" in out and "deploy tp" in out and "0-1" in out
+
+
+def test_plan_refuses_bad_layout_with_one_line(capsys):
+    assert main(["plan", "deepseek-llm-67b", "--tp", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("tp3d plan: error: tensor_parallel_size=3 does not divide num_attention_heads=64; choose a"
+                   " tensor_parallel_size that divides 64 (valid: [1, 2, 4, 8, 16, 32, 64]).")
+    assert main(["plan", "no-such-model"]) == 2
+    assert "Unknown model 'no-such-model'" in capsys.readouterr().err

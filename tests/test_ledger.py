@@ -1,0 +1,71 @@
+"""The memory ledger against figures computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_tp3d import LayoutError, ModelConfig, ParallelLayout
+from lightning_tp3d.config import MODEL_PRESETS
+from lightning_tp3d.ledger import TrainingOptions, serving_ledger, training_ledger
+
+H, F, V, L = 4096, 11008, 102400, 30  # deepseek-llm-7b
+LAYER_7B = 4 * H * H + 3 * H * F + 2 * H  # q, k, v, o; gate, up, down; two norms
+LAYER_7B_TP8 = (4 * H * H + 3 * H * F) // 8 + 2 * H
+
+
+def test_deepseek_7b_parameter_count():
+    assert LAYER_7B == 202_383_360
+    assert MODEL_PRESETS["deepseek-llm-7b"].num_parameters() == L * LAYER_7B + 2 * V * H + H == 6_910_365_696
+
+
+def test_deepseek_7b_at_tp8_pp4_dp2_by_hand():
+    layout = ParallelLayout(tensor_parallel_size=8, pipeline_parallel_size=4, data_parallel_size=2,
+                            num_microbatches=8)
+    ledger = training_ledger(MODEL_PRESETS["deepseek-llm-7b"], layout, TrainingOptions(precision="bf16-mixed"))
+    assert [stage.num_layers for stage in ledger.stages] == [7, 8, 8, 7]
+    expected = [7 * LAYER_7B_TP8 + V * H // 8, 8 * LAYER_7B_TP8, 8 * LAYER_7B_TP8, 7 * LAYER_7B_TP8 + H + V * H // 8]
+    assert [stage.parameters for stage in ledger.stages] == expected == [229_564_416, 202_440_704, 202_440_704,
+                                                                         229_568_512]
+    last = ledger.stages[-1]
+    assert (last.weight_bytes, last.gradient_bytes, last.optimizer_bytes) == (4 * expected[-1], 4 * expected[-1],
+                                                                              8 * expected[-1])
+    assert [stage.in_flight_microbatches for stage in ledger.stages] == [4, 3, 2, 1]
+    # activations of stage 1: 8 layers x 3 micro-batches x s b [4h + (a + k) d / t + 5h / t + 4f / t] x 2 bytes
+    per_layer = 4096 * (4 * H + (2 * H + 5 * H + 4 * F) // 8)
+    assert ledger.stages[1].activation_bytes == 8 * 3 * per_layer * 2
+    assert ledger.model_parameters == 6_910_365_696
+
+
+def test_fsdp_divides_state_by_dp_and_recompute_keeps_layer_inputs():
+    config = ModelConfig()
+    layout = ParallelLayout(data_parallel_size=4)
+    replicate = training_ledger(config, layout, TrainingOptions(seq_len=32, precision="32-true")).stages[0]
+    fsdp = training_ledger(config, layout, TrainingOptions(seq_len=32, precision="32-true",
+                                                            data_parallel_mode="fsdp")).stages[0]
+    assert fsdp.weight_bytes * 4 == replicate.weight_bytes
+    assert fsdp.optimizer_bytes * 4 == replicate.optimizer_bytes
+    recompute = training_ledger(config, layout, TrainingOptions(seq_len=32, precision="32-true",
+                                                                recompute="full")).stages[0]
+    logits = 2 * 32 * config.vocab_size * 4
+    layer = 32 * (4 * 64 + (6 * 16 + 5 * 64 + 4 * 128))
+    assert replicate.activation_bytes == 4 * layer * 4 + logits
+    assert recompute.activation_bytes == (4 * 32 * 64 + layer) * 4 + logits
+
+
+def test_serving_kv_cache_and_deploy_alignment_by_hand():
+    ledger = serving_ledger(MODEL_PRESETS["deepseek-llm-67b"], seq_len=4096, num_seqs=8, dtype="bf16")
+    per_token = 2 * 95 * 8 * 128 * 2  # 2 x layers x kv_heads x head_dim x bytes
+    assert ledger.kv_bytes_per_token == per_token == 389_120
+    assert ledger.kv_bytes_total == per_token * 4096 * 8
+    by_tp = {option.tensor_parallel_size: option for option in ledger.options}
+    assert by_tp[8].kv_bytes_per_token_per_gpu == per_token // 8
+    assert by_tp[16].valid and by_tp[16].kv_bytes_per_token_per_gpu == 2 * 95 * 1 * 128 * 2  # kv heads replicated
+    odd = serving_ledger(ModelConfig(num_attention_heads=4, num_key_value_heads=4), seq_len=8)
+    assert not {o.tensor_parallel_size: o for o in odd.options}[8].valid
+
+
+def test_bad_serving_and_training_options():
+    with pytest.raises(ValueError, match=r"precision='fp8' is not one of"):
+        TrainingOptions(precision="fp8")
+    with pytest.raises(LayoutError, match=r"must be positive"):
+        serving_ledger(ModelConfig(), seq_len=0)
