@@ -73,10 +73,10 @@ class ParallelLayout:
             _check_positive_int(name, getattr(self, name))
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
-            if len(self.layers_per_stage) != self.pipeline_parallel_size:
+            if len(self.layers_per_stage) % self.pipeline_parallel_size:
                 raise LayoutError(
-                    f"layers_per_stage has {len(self.layers_per_stage)} entries but pipeline_parallel_size="
-                    f"{self.pipeline_parallel_size}; give one layer count per pipeline stage."
+                    f"layers_per_stage has {len(self.layers_per_stage)} entries, not a multiple of"
+                    f" pipeline_parallel_size={self.pipeline_parallel_size}; give one layer count per pipeline stage."
                 )
             for count in self.layers_per_stage:
                 _check_positive_int("every entry of layers_per_stage", count)
@@ -194,7 +194,7 @@ class ParallelLayout:
                 f" size is {world_size}; launch {self.world_size} processes or set data_parallel_size='auto'."
             )
 
-    def validate_model(self, config: _ModelShape) -> None:
+    def validate_model(self, config: _ModelShape, num_stages: int | None = None) -> None:
         """Check that the model can be split this way (any object with Hugging Face config names)."""
         tp = self.tensor_parallel_size
         for name in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size"):
@@ -210,46 +210,57 @@ class ParallelLayout:
                 f"tensor_parallel_size={tp} does not divide vocab_size={config.vocab_size}; the vocabulary is split"
                 f" across tp ranks, so pad vocab_size to {padded} (a multiple of {tp}) or change tensor_parallel_size."
             )
-        self.stage_layer_counts(config.num_hidden_layers)
+        self.stage_layer_counts(config.num_hidden_layers, num_stages or self.num_stages)
 
-    def stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
-        """Transformer layers owned by each pipeline stage.
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: pp, or pp x stages per rank under an interleaved / V schedule."""
+        return len(self.layers_per_stage) if self.layers_per_stage is not None else self.pipeline_parallel_size
+
+    def stage_layer_counts(self, num_layers: int, num_stages: int | None = None) -> tuple[int, ...]:
+        """Transformer layers owned by each of `num_stages` pipeline stages (default: pp).
 
         Explicit `layers_per_stage` wins. Otherwise the split is balanced with the embedding and the
         head each counted as one layer of work: `num_layers + 2` units are spread evenly, the first
         stage's share includes the embedding and the last stage's the head.
         """
-        pp = self.pipeline_parallel_size
+        stages = num_stages or self.pipeline_parallel_size
         if self.layers_per_stage is not None:
+            if len(self.layers_per_stage) != stages:
+                raise LayoutError(
+                    f"layers_per_stage has {len(self.layers_per_stage)} entries but the pipeline has {stages}"
+                    " stages; give one layer count per stage (pp x stages per rank for interleaved schedules)."
+                )
             if sum(self.layers_per_stage) != num_layers:
                 raise LayoutError(
                     f"layers_per_stage={list(self.layers_per_stage)} sums to {sum(self.layers_per_stage)} but the"
                     f" model has {num_layers} layers; make the counts add up to {num_layers}."
                 )
             return self.layers_per_stage
-        if num_layers < pp:
+        if num_layers < stages:
             raise LayoutError(
-                f"pipeline_parallel_size={pp} exceeds the model's {num_layers} layers; every stage needs at least"
-                f" one layer, so use pipeline_parallel_size <= {num_layers}."
+                f"the pipeline has {stages} stages (pipeline_parallel_size={self.pipeline_parallel_size}) but the"
+                f" model has only {num_layers} layers; every stage needs at least one layer, so use at most"
+                f" {num_layers} stages."
             )
-        if pp == 1:
+        if stages == 1:
             return (num_layers,)
         units = num_layers + 2
-        shares = [units // pp + (1 if stage >= pp - units % pp else 0) for stage in range(pp)]
+        shares = [units // stages + (1 if stage >= stages - units % stages else 0) for stage in range(stages)]
         shares[0] -= 1
         shares[-1] -= 1
-        # A tiny model can leave an end stage with no layer; move one from its neighbour.
-        for end in (0, pp - 1):
+        # A tiny model can leave an end stage with no layer; move one from the busiest stage.
+        for end in (0, stages - 1):
             while shares[end] < 1:
-                donor = max(range(pp), key=lambda stage: shares[stage])
+                donor = max(range(stages), key=lambda stage: shares[stage])
                 shares[donor] -= 1
                 shares[end] += 1
         return tuple(shares)
 
-    def stage_layer_ranges(self, num_layers: int) -> list[range]:
+    def stage_layer_ranges(self, num_layers: int, num_stages: int | None = None) -> list[range]:
         """Global layer indices of each stage: stage s owns `ranges[s]`."""
         ranges, start = [], 0
-        for count in self.stage_layer_counts(num_layers):
+        for count in self.stage_layer_counts(num_layers, num_stages):
             ranges.append(range(start, start + count))
             start += count
         return ranges

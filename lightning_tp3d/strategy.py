@@ -16,7 +16,7 @@ or by name, `Trainer(strategy="tp3d")`, which is plain data parallelism over all
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -28,6 +28,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -37,7 +38,20 @@ from lightning_tp3d.layout import LayoutError, ParallelLayout
 from lightning_tp3d.mesh import build_device_mesh
 from lightning_tp3d.parallel.data import DATA_PARALLEL_MODES, all_reduce_gradients, apply_fsdp
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
-from lightning_tp3d.parallel.tensor import apply_tensor_parallel, resolve_tp_plan
+from lightning_tp3d.models.llama import causal_lm_loss
+from lightning_tp3d.parallel.pipeline import (
+    PipelineRunner,
+    StageModule,
+    plan_pipeline,
+    prune_to_stages,
+    stages_per_rank_of,
+)
+from lightning_tp3d.parallel.tensor import (
+    apply_tensor_parallel,
+    check_plan_matches,
+    plan_entries_present,
+    resolve_tp_plan,
+)
 
 __all__ = ["TP3DStrategy"]
 
@@ -70,7 +84,13 @@ class TP3DStrategy(ModelParallelStrategy):
 
     Args:
         tensor_parallel_size: processes that split every layer (innermost mesh dimension).
-        pipeline_parallel_size: pipeline stages. Only 1 is available in this release.
+        pipeline_parallel_size: pipeline stages (ranks along "pp").
+        num_microbatches: micro-batches each dataloader batch is split into for the pipeline (default: pp).
+        pipeline_schedule: one of `gpipe`, `1f1b`, `interleaved_1f1b`, `looped_bfs`,
+            `interleaved_zero_bubble`, `zbv_zero_bubble`, `dualpipev`.
+        stages_per_rank: stages on each rank for the looped schedules (V-shaped ones always use 2).
+        layers_per_stage: explicit layer count of every stage (default: balanced, embedding and head
+            counted as one layer each).
         data_parallel_size: model replicas; `"auto"` is world size / (tp x pp).
         data_parallel_mode: `"replicate"` (gradients all-reduced over dp, DDP semantics) or `"fsdp"`
             (FSDP2: parameters, gradients and optimizer state sharded over dp).
@@ -78,6 +98,8 @@ class TP3DStrategy(ModelParallelStrategy):
             import path `"package.module:function"`; default: the plan for Hugging Face Llama names.
         model_attribute: attribute of the LightningModule holding the network to parallelise.
         layers_attribute: attribute of that network holding its transformer blocks (FSDP units, stages).
+        pipeline_first_modules / pipeline_last_modules: modules of the network run before the blocks on
+            the first stage / after them on the last stage; a stage computes first -> blocks -> last.
         process_group_backend: `"gloo"` / `"nccl"`; default from the device (gloo on CPU, nccl on CUDA).
         timeout: timeout of the process groups' collectives.
     """
@@ -90,9 +112,15 @@ class TP3DStrategy(ModelParallelStrategy):
         pipeline_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_mode: Literal["replicate", "fsdp"] = "replicate",
+        num_microbatches: int | None = None,
+        pipeline_schedule: str = "1f1b",
+        stages_per_rank: int = 2,
+        layers_per_stage: Sequence[int] | None = None,
         tp_plan: Mapping[str, ParallelStyle] | Callable[[], Mapping[str, ParallelStyle]] | str | None = None,
         model_attribute: str = "model",
         layers_attribute: str = "model.layers",
+        pipeline_first_modules: Sequence[str] = ("model.embed_tokens",),
+        pipeline_last_modules: Sequence[str] = ("model.norm", "lm_head"),
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -103,18 +131,31 @@ class TP3DStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        num_microbatches = num_microbatches or pipeline_parallel_size
         # Validates the sizes now, so a typo fails at construction and not after launching processes.
-        ParallelLayout(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
-        if pipeline_parallel_size != 1:
-            raise LayoutError(
-                f"pipeline_parallel_size={pipeline_parallel_size} is not available in this release of"
-                " lightning_tp3d; use pipeline_parallel_size=1."
-            )
+        ParallelLayout(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                       num_microbatches=num_microbatches, layers_per_stage=layers_per_stage)
+        if pipeline_parallel_size > 1:
+            stages_per_rank_of(pipeline_schedule, pipeline_parallel_size, num_microbatches, stages_per_rank)
+            if num_microbatches < pipeline_parallel_size:
+                rank_zero_warn(
+                    f"num_microbatches={num_microbatches} < pipeline_parallel_size={pipeline_parallel_size}: the"
+                    f" pipeline bubble is at least {(pipeline_parallel_size - 1) / (num_microbatches + pipeline_parallel_size - 1):.0%}"
+                    " of each step; use num_microbatches >= pipeline_parallel_size."
+                )
         if data_parallel_mode not in DATA_PARALLEL_MODES:
             raise ValueError(
                 f"data_parallel_mode={data_parallel_mode!r} is not one of {list(DATA_PARALLEL_MODES)}."
             )
         self._pipeline_parallel_size = pipeline_parallel_size
+        self._num_microbatches = num_microbatches
+        self._pipeline_schedule = pipeline_schedule
+        self._stages_per_rank = stages_per_rank
+        self._layers_per_stage = tuple(layers_per_stage) if layers_per_stage is not None else None
+        self._pipeline_first_modules = tuple(pipeline_first_modules)
+        self._pipeline_last_modules = tuple(pipeline_last_modules)
+        self._pipeline: PipelineRunner | None = None
+        self._pending_gradients: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._data_parallel_mode = data_parallel_mode
         self._tp_plan = resolve_tp_plan(tp_plan)
         self._model_attribute = model_attribute
@@ -140,6 +181,8 @@ class TP3DStrategy(ModelParallelStrategy):
             tensor_parallel_size=self._tensor_parallel_size,
             pipeline_parallel_size=self._pipeline_parallel_size,
             data_parallel_size=self._data_parallel_size,
+            num_microbatches=self._num_microbatches,
+            layers_per_stage=self._layers_per_stage,
         )
 
     @override
@@ -187,7 +230,8 @@ class TP3DStrategy(ModelParallelStrategy):
         return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
     def _parallelize(self, network: nn.Module) -> None:
-        """Tensor parallel first (DTensor weights over tp), then FSDP2 over dp, which wraps those DTensors.
+        """Pipeline split, then tensor parallel (DTensor weights over tp), then FSDP2 over dp, which must
+        wrap parameters that are already DTensors.
 
         Runs once per network: `trainer.validate` / `test` after `fit` reuse the parallel model.
         """
@@ -195,13 +239,89 @@ class TP3DStrategy(ModelParallelStrategy):
             return
         layout = self.layout
         config = _model_config(self.lightning_module, network)
-        if config is not None:
+        if layout.tensor_parallel_size > 1:
+            check_plan_matches(network, self._tp_plan)
+        stage_modules: list[StageModule] = []
+        if layout.pipeline_parallel_size > 1:
+            stage_modules = self._split_pipeline(network, config)
+        elif config is not None:
             layout.validate_model(config)
         if layout.tensor_parallel_size > 1:
-            apply_tensor_parallel(network, self.device_mesh["tp"], self._tp_plan)
+            apply_tensor_parallel(network, self.device_mesh["tp"], plan_entries_present(network, self._tp_plan))
         if self._data_parallel_mode == "fsdp":
-            apply_fsdp(network, self.device_mesh["dp"], self._blocks(network))
+            # Under pipelining each stage module is called directly, so each is an FSDP root of its own.
+            roots = stage_modules or [network]
+            apply_fsdp(roots, self.device_mesh["dp"], self._blocks(network))
+        if stage_modules:
+            self._install_pipeline(network, stage_modules)
         self._parallelized_network = network
+
+    def _split_pipeline(self, network: nn.Module, config: Any | None) -> list[StageModule]:
+        layout = self.layout
+        layers = _resolve_attribute(network, self._layers_attribute, "layers_attribute")
+        if not isinstance(layers, nn.ModuleDict):
+            raise TypeError(
+                f"pipeline parallelism needs the blocks in an nn.ModuleDict keyed by global layer index, but"
+                f" {self._layers_attribute} is a {type(layers).__name__}; see docs/concepts.md."
+            )
+        if config is not None and getattr(config, "tie_word_embeddings", False):
+            raise LayoutError(
+                "tie_word_embeddings=True with pipeline_parallel_size > 1 is not supported: the embedding and the"
+                " head live on different stages; untie them or use pipeline_parallel_size=1."
+            )
+        num_layers = len(layers)
+        plan = plan_pipeline(
+            self._pipeline_schedule, layout.pipeline_parallel_size, self.device_mesh.get_local_rank("pp"),
+            layout.num_microbatches, self._stages_per_rank,
+            lambda stages: layout.stage_layer_ranges(num_layers, stages),
+        )
+        if config is not None:
+            layout.validate_model(config, plan.num_stages)
+        for path in self._pipeline_first_modules + self._pipeline_last_modules:
+            _resolve_attribute(network, path, "pipeline_first_modules / pipeline_last_modules entry")
+        prune_to_stages(network, plan, layers, self._pipeline_first_modules, self._pipeline_last_modules)
+        self._pipeline_plan = plan
+        return [self._stage_module(network, layers, plan, index, layer_range)
+                for index, layer_range in zip(plan.stage_indices, plan.layer_ranges)]
+
+    def _stage_module(self, network: nn.Module, layers: nn.ModuleDict, plan: Any, index: int,
+                      layer_range: range) -> StageModule:
+        parts: list[nn.Module] = []
+        if index == 0:
+            parts += [_resolve_attribute(network, path, "pipeline_first_modules") for path in
+                      self._pipeline_first_modules]
+        parts += [layers[str(layer)] for layer in layer_range]
+        if index == plan.num_stages - 1:
+            parts += [_resolve_attribute(network, path, "pipeline_last_modules") for path in
+                      self._pipeline_last_modules]
+        return StageModule(parts)
+
+    def _install_pipeline(self, network: nn.Module, stage_modules: list[StageModule]) -> None:
+        """Route `network(input_ids, labels=...)` through the schedule (the LightningModule contract)."""
+        loss_fn = getattr(network, "loss_function", causal_lm_loss)
+        runner = PipelineRunner(stage_modules, self._pipeline_plan, self.layout.num_microbatches, loss_fn,
+                                self._group("pp"), self.root_device)
+        self._pipeline = runner
+        strategy = self
+
+        def pipelined_forward(input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+            train = network.training and torch.is_grad_enabled() and labels is not None
+            if not train:
+                return runner(input_ids, labels, train=False)
+            runner.loss_scale = 1.0 / strategy.lightning_module.trainer.accumulate_grad_batches
+            # Lightning zeroes gradients between `training_step` and `backward`, but the schedule computes
+            # them inside `training_step`: keep them aside and add them in `backward`.
+            parameters = list(network.parameters())
+            previous = [parameter.grad for parameter in parameters]
+            for parameter in parameters:
+                parameter.grad = None
+            loss = runner(input_ids, labels, train=True)
+            strategy._pending_gradients = [(parameter, parameter.grad) for parameter in parameters]
+            for parameter, grad in zip(parameters, previous):
+                parameter.grad = grad
+            return loss
+
+        network.forward = pipelined_forward
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -220,6 +340,21 @@ class TP3DStrategy(ModelParallelStrategy):
         self._route_gradient_clipping()
 
     # ------------------------------------------------------------------ step
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Under pipelining the schedule already ran backward inside `training_step`; only the hooks run."""
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        for parameter, grad in self._pending_gradients:
+            if grad is not None:
+                parameter.grad = grad if parameter.grad is None else parameter.grad.add_(grad)
+        self._pending_gradients = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self._data_parallel_mode == "replicate" and self.layout.data_parallel_size > 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,13 @@ class CaptureGradients(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.final_params = named_full(pl_module, "data", self.prefix)
+
+
+def world_size() -> int:
+    """Lightning's environment removes WORLD_SIZE at teardown; later Trainers in the process read the group."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ["WORLD_SIZE"])
 
 
 def trainer_kwargs(**overrides: Any) -> dict[str, Any]:

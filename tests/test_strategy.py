@@ -7,7 +7,6 @@ within 1e-5 (fp32).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import lightning as L
@@ -29,6 +28,7 @@ from tests.helpers import (
     MemoryLogger,
     reference_run,
     trainer_kwargs,
+    world_size,
 )
 
 TOLERANCE = 1e-5
@@ -111,16 +111,9 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
 }
 
 
-def _world_size() -> int:
-    # Lightning's environment removes WORLD_SIZE at teardown; later Trainers in the process read the group.
-    if torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return int(os.environ["WORLD_SIZE"])
-
-
 def _fit(name: str, tp: int, mode: str, batch: int, accumulate: int = 1, clip: float | None = None,
          validate: bool = False, user_model: bool = False) -> dict[str, Any]:
-    world_size = _world_size()
+    world = world_size()
     if user_model:
         module, prefix = UserModule(), "net."
         strategy = TP3DStrategy(tensor_parallel_size=tp, data_parallel_mode=mode, tp_plan=user_tp_plan,
@@ -132,7 +125,7 @@ def _fit(name: str, tp: int, mode: str, batch: int, accumulate: int = 1, clip: f
     extra: dict[str, Any] = {"accumulate_grad_batches": accumulate, "gradient_clip_val": clip}
     if validate:
         extra.update(limit_val_batches=None, val_check_interval=STEPS, check_val_every_n_epoch=None)
-    trainer = L.Trainer(**trainer_kwargs(devices=world_size, strategy=strategy, logger=logger, callbacks=[capture],
+    trainer = L.Trainer(**trainer_kwargs(devices=world, strategy=strategy, logger=logger, callbacks=[capture],
                                          **extra))
     assert trainer.strategy.layout.tensor_parallel_size == tp
     trainer.fit(module, TokenDataModule(seq_len=SEQ_LEN, batch_size=batch, val_fraction=0.2))
@@ -142,8 +135,8 @@ def _fit(name: str, tp: int, mode: str, batch: int, accumulate: int = 1, clip: f
 
 
 def run_world() -> dict[str, Any]:
-    world_size = _world_size()
-    return {scenario["name"]: _fit(**scenario) for scenario in SCENARIOS[world_size]}
+    world = world_size()
+    return {scenario["name"]: _fit(**scenario) for scenario in SCENARIOS[world]}
 
 
 # ---------------------------------------------------------------------- fixtures and checks

@@ -145,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
     `[batch, seq, hidden]`; without the head the output is hidden states.
     """
 
+    loss_function = staticmethod(causal_lm_loss)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -169,4 +171,4 @@ class LlamaForCausalLM(nn.Module):
             x = self.lm_head(x)
         if labels is None:
             return x
-        return causal_lm_loss(x, labels)
+        return self.loss_function(x, labels)

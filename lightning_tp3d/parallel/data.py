@@ -29,12 +29,13 @@ DataParallelMode = Literal["replicate", "fsdp"]
 DATA_PARALLEL_MODES: tuple[str, ...] = ("replicate", "fsdp")
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, blocks: Iterable[nn.Module]) -> nn.Module:
-    """FSDP2 over `dp_mesh`: one unit per block (so only one block is gathered at a time), then the root."""
+def apply_fsdp(roots: Iterable[nn.Module], dp_mesh: DeviceMesh, blocks: Iterable[nn.Module]) -> None:
+    """FSDP2 over `dp_mesh`: one unit per block (so only one block is gathered at a time), then each root
+    (the model, or every pipeline stage module), which takes the parameters outside the blocks."""
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    return model
+    for root in roots:
+        fully_shard(root, mesh=dp_mesh)
 
 
 def _local_gradient(parameter: nn.Parameter) -> torch.Tensor | None:

@@ -26,7 +26,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-__all__ = ["TensorParallelPlan", "apply_tensor_parallel", "llama_tp_plan", "resolve_tp_plan"]
+__all__ = [
+    "TensorParallelPlan",
+    "apply_tensor_parallel",
+    "check_plan_matches",
+    "llama_tp_plan",
+    "plan_entries_present",
+    "resolve_tp_plan",
+]
 
 TensorParallelPlan = Mapping[str, ParallelStyle]
 
@@ -60,7 +67,17 @@ def resolve_tp_plan(plan: TensorParallelPlan | Callable[[], TensorParallelPlan] 
     return plan
 
 
-def _check_plan_matches(model: nn.Module, plan: TensorParallelPlan) -> None:
+def _matches(model: nn.Module, pattern: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for name, _ in model.named_modules() if name)
+
+
+def plan_entries_present(model: nn.Module, plan: TensorParallelPlan) -> dict[str, ParallelStyle]:
+    """The entries of `plan` that match a module of `model` (a pipeline stage lacks some modules)."""
+    return {pattern: style for pattern, style in plan.items() if _matches(model, pattern)}
+
+
+def check_plan_matches(model: nn.Module, plan: TensorParallelPlan) -> None:
+    """Every plan entry must match a module of the whole model: a typo must not silently skip sharding."""
     names = [name for name, _ in model.named_modules() if name]
     for pattern in plan:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
@@ -80,7 +97,6 @@ def _tied_parameter_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> nn.Module:
     """Shard `model` in place over `tp_mesh` following `plan`; tied parameters stay tied."""
-    _check_plan_matches(model, plan)
     tied_groups = _tied_parameter_groups(model)
     parallelize_module(model, tp_mesh, dict(plan))
     for group in tied_groups:

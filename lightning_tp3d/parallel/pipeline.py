@@ -1,0 +1,262 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`, driven from one network per rank.
+
+A rank keeps one network holding only what its stages own: the blocks of its layer ranges (still keyed
+by global index, so parameter names do not change), the first-stage modules (embedding) if it runs
+stage 0 and the last-stage modules (final norm, head) if it runs the last stage. Each stage is a
+`StageModule`, a view that applies `first modules -> blocks -> last modules` in order to the same
+module objects (nothing is copied), which `PipelineStage` wraps.
+
+Stage placement: single-stage schedules put stage r on pp rank r; looped multi-stage schedules
+(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) put stages r, r + pp, r + 2 pp, ... on rank r;
+V-shaped ones (ZBVZeroBubble, DualPipeV) put stages r and 2 pp - 1 - r on rank r.
+
+Loss: each micro-batch's loss is the mean over its tokens and the schedule divides gradients by the
+number of micro-batches, so gradients equal those of the whole batch's mean loss when micro-batches
+hold equally many target tokens (always, without ignored labels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+__all__ = [
+    "PIPELINE_SCHEDULES",
+    "PipelinePlan",
+    "PipelineRunner",
+    "StageModule",
+    "plan_pipeline",
+    "prune_to_stages",
+    "stages_per_rank_of",
+]
+
+# user-facing name -> torch schedule class name
+PIPELINE_SCHEDULES: dict[str, str] = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "Interleaved1F1B",
+    "looped_bfs": "LoopedBFS",
+    "interleaved_zero_bubble": "InterleavedZeroBubble",
+    "zbv_zero_bubble": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.long]
+_LOOPED = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble"}
+_V_SHAPED = {"zbv_zero_bubble", "dualpipev"}
+# Schedules that run the first backward before all forwards are done need one micro-batch per stage.
+_NEEDS_MICROBATCHES_PER_RANK = {"1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble",
+                                "dualpipev"}
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    schedule: str
+    num_stages: int
+    stage_indices: tuple[int, ...]  # stages run by this rank
+    layer_ranges: tuple[range, ...]  # this rank's stages' layers, same order
+    last_stage_pp_rank: int
+
+
+def stages_per_rank_of(schedule: str, pp_size: int, num_microbatches: int, stages_per_rank: int) -> int:
+    """Stages each rank runs under `schedule`; errors name the constraint and the fix."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline_schedule={schedule!r} is not one of {sorted(PIPELINE_SCHEDULES)}.")
+    if schedule in _NEEDS_MICROBATCHES_PER_RANK and num_microbatches < pp_size:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} needs num_microbatches >= pipeline_parallel_size, got"
+            f" num_microbatches={num_microbatches} < {pp_size}; raise num_microbatches or use 'gpipe'."
+        )
+    if schedule == "dualpipev" and num_microbatches < 2 * pp_size:
+        raise ValueError(
+            f"pipeline_schedule='dualpipev' runs 2 stages per rank and needs num_microbatches >= 2 x"
+            f" pipeline_parallel_size = {2 * pp_size}, got {num_microbatches}; raise num_microbatches."
+        )
+    if schedule in _V_SHAPED:
+        return 2
+    if schedule in _LOOPED:
+        if stages_per_rank < 2:
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} runs several stages per rank; set stages_per_rank >= 2"
+                f" (got {stages_per_rank}) or choose 'gpipe' / '1f1b'."
+            )
+        return stages_per_rank
+    return 1
+
+
+def plan_pipeline(
+    schedule: str, pp_size: int, pp_rank: int, num_microbatches: int, stages_per_rank: int,
+    stage_ranges: Callable[[int], Sequence[range]],
+) -> PipelinePlan:
+    """Where each stage runs and which layers it owns (`stage_ranges(num_stages)` splits the layers)."""
+    per_rank = stages_per_rank_of(schedule, pp_size, num_microbatches, stages_per_rank)
+    num_stages = pp_size * per_rank
+    if schedule in _V_SHAPED:
+        indices = (pp_rank, num_stages - 1 - pp_rank)
+        last_pp_rank = 0
+    else:
+        indices = tuple(pp_rank + k * pp_size for k in range(per_rank))
+        last_pp_rank = pp_size - 1
+    ranges = stage_ranges(num_stages)
+    return PipelinePlan(schedule, num_stages, indices, tuple(ranges[i] for i in indices), last_pp_rank)
+
+
+def _get(root: nn.Module, path: str) -> nn.Module | None:
+    module: nn.Module | None = root
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def _set_none(root: nn.Module, path: str) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = _get(root, parent_path) if parent_path else root
+    setattr(parent, name, None)
+
+
+def prune_to_stages(
+    network: nn.Module, plan: PipelinePlan, layers: nn.ModuleDict, first_modules: Sequence[str],
+    last_modules: Sequence[str],
+) -> None:
+    """Delete from `network` every block, first- and last-stage module that this rank's stages do not run."""
+    owned = {str(index) for layer_range in plan.layer_ranges for index in layer_range}
+    for key in list(layers.keys()):
+        if key not in owned:
+            del layers[key]
+    if 0 not in plan.stage_indices:
+        for path in first_modules:
+            _set_none(network, path)
+    if plan.num_stages - 1 not in plan.stage_indices:
+        for path in last_modules:
+            _set_none(network, path)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: x -> first modules -> blocks -> last modules, over shared module objects."""
+
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part in self.parts:
+            x = part(x)
+        return x
+
+
+class PipelineRunner:
+    """Runs whole batches through this rank's stages; the loss is broadcast to every pp rank.
+
+    Train: forward and backward through the schedule over `num_microbatches` micro-batches (gradients
+    accumulate in the parameters); returns the batch's mean loss (detached). Eval and predict: the whole
+    batch passes stage after stage without a schedule; returns the loss, or without labels the logits
+    broadcast from the last stage.
+    """
+
+    def __init__(
+        self, stage_modules: Sequence[StageModule], plan: PipelinePlan, num_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], pp_group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.stage_modules = list(stage_modules)
+        self.plan = plan
+        self.num_microbatches = num_microbatches
+        self.loss_fn = loss_fn
+        self.pp_group = pp_group
+        self.device = device
+        self.loss_scale = 1.0  # 1 / gradient accumulation steps while training
+        self._schedules: dict[tuple, object] = {}
+        self._last_stage_src = dist.get_global_rank(pp_group, plan.last_stage_pp_rank)
+        self.has_first_stage = 0 in plan.stage_indices
+        self.has_last_stage = plan.num_stages - 1 in plan.stage_indices
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) * self.loss_scale
+
+    def _schedule(self, input_shape: torch.Size):
+        # Stages infer activation shapes on their first run, so one schedule per input shape.
+        key = tuple(input_shape)
+        if key not in self._schedules:
+            stages = [PipelineStage(module, index, self.plan.num_stages, self.device, group=self.pp_group)
+                      for module, index in zip(self.stage_modules, self.plan.stage_indices)]
+            schedule_class = get_schedule_class(PIPELINE_SCHEDULES[self.plan.schedule])
+            target = stages[0] if len(stages) == 1 else stages
+            self._schedules[key] = schedule_class(target, self.num_microbatches, loss_fn=self._scaled_loss)
+        return self._schedules[key]
+
+    def _stage_owner(self, stage: int) -> int:
+        pp_size = dist.get_world_size(self.pp_group)
+        if self.plan.last_stage_pp_rank == 0:  # V-shaped placement
+            return stage if stage < pp_size else self.plan.num_stages - 1 - stage
+        return stage % pp_size
+
+    @torch.no_grad()
+    def _forward_only(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Stage after stage on the whole batch, hidden states sent point to point; the output on the rank
+        of the last stage. Forward-only runs need no schedule (and zero-bubble schedules cannot run one)."""
+        my_rank = dist.get_rank(self.pp_group)
+        modules = dict(zip(self.plan.stage_indices, self.stage_modules))
+        x: torch.Tensor | None = input_ids if self.has_first_stage else None
+        for stage in range(self.plan.num_stages):
+            owner = self._stage_owner(stage)
+            previous_owner = self._stage_owner(stage - 1) if stage else owner
+            if owner == my_rank:
+                if previous_owner != my_rank:
+                    x = self._receive(previous_owner)
+                x = modules[stage](x)
+            elif previous_owner == my_rank:
+                self._send(x, owner)
+        return x if self.has_last_stage else None
+
+    def _send(self, tensor: torch.Tensor, pp_rank: int) -> None:
+        destination = dist.get_global_rank(self.pp_group, pp_rank)
+        header = torch.tensor([_DTYPES.index(tensor.dtype), *tensor.shape], dtype=torch.long)
+        dist.send(torch.tensor([header.numel()]), destination, group=self.pp_group)
+        dist.send(header, destination, group=self.pp_group)
+        dist.send(tensor.contiguous(), destination, group=self.pp_group)
+
+    def _receive(self, pp_rank: int) -> torch.Tensor:
+        source = dist.get_global_rank(self.pp_group, pp_rank)
+        length = torch.empty(1, dtype=torch.long)
+        dist.recv(length, source, group=self.pp_group)
+        header = torch.empty(int(length), dtype=torch.long)
+        dist.recv(header, source, group=self.pp_group)
+        tensor = torch.empty(header[1:].tolist(), dtype=_DTYPES[int(header[0])], device=self.device)
+        dist.recv(tensor, source, group=self.pp_group)
+        return tensor
+
+    def _broadcast_from_last_stage(self, value: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor:
+        if value is None:
+            value = torch.empty(shape, dtype=torch.float32, device=self.device)
+        value = value.detach().float().contiguous()
+        dist.broadcast(value, src=self._last_stage_src, group=self.pp_group)
+        return value
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, train: bool) -> torch.Tensor:
+        if labels is None or not train:
+            output = self._forward_only(input_ids)
+            if labels is None:
+                shape = torch.tensor(output.shape if self.has_last_stage else [0, 0, 0], device=self.device)
+                dist.broadcast(shape, src=self._last_stage_src, group=self.pp_group)
+                return self._broadcast_from_last_stage(output, shape.tolist())
+            loss = self.loss_fn(output, labels) if self.has_last_stage else None
+            return self._broadcast_from_last_stage(loss, ())
+        batch = input_ids.shape[0]
+        if batch % self.num_microbatches:
+            raise ValueError(
+                f"the batch of {batch} samples cannot be split into num_microbatches={self.num_microbatches}"
+                f" equal micro-batches; use a per-rank batch size that is a multiple of {self.num_microbatches}."
+            )
+        schedule = self._schedule(input_ids.shape)
+        args = (input_ids,) if self.has_first_stage else ()
+        losses: list[torch.Tensor] = []
+        schedule.step(*args, target=labels if self.has_last_stage else None, losses=losses)
+        loss = None
+        if self.has_last_stage:
+            loss = torch.stack([value.detach() for value in losses]).mean() / self.loss_scale
+        return self._broadcast_from_last_stage(loss, ())
