@@ -1,7 +1,7 @@
-"""Main job: train the tiny reference decoder on the embedded corpus with TP x DP on CPU processes.
+"""Main job: train the tiny reference decoder on the embedded corpus with TP x PP x DP on CPU processes.
 
-    python examples/train_tiny.py                    # tp=2 x dp=2 on 4 processes, 40 steps
-    python examples/train_tiny.py --tp 1 --dp 2 --steps 20
+    python examples/train_tiny.py                    # tp=2 x pp=2 x dp=2 on 8 processes, 40 steps
+    python examples/train_tiny.py --tp 2 --pp 1 --dp 2 --steps 20
 
 Lightning launches the processes (gloo on CPU); rank 0 prints the loss, which falls from about 5.5.
 """
@@ -34,7 +34,9 @@ class PrintLoss(L.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2, help="tensor parallel size")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline parallel size")
     parser.add_argument("--dp", type=int, default=2, help="data parallel size")
+    parser.add_argument("--schedule", default="1f1b", help="pipeline schedule (gpipe, 1f1b, interleaved_1f1b, ...)")
     parser.add_argument("--dp-mode", choices=["replicate", "fsdp"], default="replicate")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per data-parallel rank and step")
@@ -43,10 +45,10 @@ def main() -> None:
     args = parser.parse_args()
 
     L.seed_everything(0)
-    strategy = TP3DStrategy(tensor_parallel_size=args.tp, data_parallel_size=args.dp,
-                            data_parallel_mode=args.dp_mode)
+    strategy = TP3DStrategy(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
+                            data_parallel_mode=args.dp_mode, pipeline_schedule=args.schedule)
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.tp * args.dp, strategy=strategy, max_steps=args.steps,
+        accelerator="cpu", devices=args.tp * args.pp * args.dp, strategy=strategy, max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=[PrintLoss(every=5)],
     )

@@ -42,6 +42,7 @@ from lightning_tp3d.models.llama import causal_lm_loss
 from lightning_tp3d.parallel.pipeline import (
     PipelineRunner,
     StageModule,
+    StageTiming,
     plan_pipeline,
     prune_to_stages,
     stages_per_rank_of,
@@ -338,6 +339,11 @@ class TP3DStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._route_gradient_clipping()
+
+    @property
+    def pipeline_timing(self) -> StageTiming | None:
+        """This rank's busy and idle time in the last pipelined training step (None without pipelining)."""
+        return None if self._pipeline is None else self._pipeline.timing
 
     # ------------------------------------------------------------------ step
     @override

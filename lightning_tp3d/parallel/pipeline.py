@@ -18,6 +18,7 @@ hold equally many target tokens (always, without ignored labels).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ __all__ = [
     "PipelinePlan",
     "PipelineRunner",
     "StageModule",
+    "StageTiming",
     "plan_pipeline",
     "prune_to_stages",
     "stages_per_rank_of",
@@ -149,6 +151,38 @@ class StageModule(nn.Module):
         return x
 
 
+@dataclass
+class StageTiming:
+    """Wall time of the last training step on this rank and the time its stages spent computing.
+
+    busy = time inside this rank's stages' forward, backward and weight-gradient chunks (communication
+    excluded), idle = step - busy. Theory for GPipe / 1F1B with p
+    stages and m micro-batches: idle fraction (p - 1) / (m + p - 1).
+    """
+
+    step_seconds: float = 0.0
+    busy_seconds: float = 0.0
+
+    @property
+    def idle_fraction(self) -> float:
+        return max(0.0, 1.0 - self.busy_seconds / self.step_seconds) if self.step_seconds else 0.0
+
+
+def _time_compute(stage: PipelineStage, timing: StageTiming) -> None:
+    """Add the time of the stage's forward / backward / weight-gradient chunks to `timing.busy_seconds`."""
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        compute = getattr(stage, name)
+
+        def timed(*args: object, _compute=compute, **kwargs: object) -> object:
+            started = time.perf_counter()
+            try:
+                return _compute(*args, **kwargs)
+            finally:
+                timing.busy_seconds += time.perf_counter() - started
+
+        setattr(stage, name, timed)
+
+
 class PipelineRunner:
     """Runs whole batches through this rank's stages; the loss is broadcast to every pp rank.
 
@@ -174,6 +208,7 @@ class PipelineRunner:
         self._last_stage_src = dist.get_global_rank(pp_group, plan.last_stage_pp_rank)
         self.has_first_stage = 0 in plan.stage_indices
         self.has_last_stage = plan.num_stages - 1 in plan.stage_indices
+        self.timing = StageTiming()
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) * self.loss_scale
@@ -184,6 +219,8 @@ class PipelineRunner:
         if key not in self._schedules:
             stages = [PipelineStage(module, index, self.plan.num_stages, self.device, group=self.pp_group)
                       for module, index in zip(self.stage_modules, self.plan.stage_indices)]
+            for stage in stages:
+                _time_compute(stage, self.timing)
             schedule_class = get_schedule_class(PIPELINE_SCHEDULES[self.plan.schedule])
             target = stages[0] if len(stages) == 1 else stages
             self._schedules[key] = schedule_class(target, self.num_microbatches, loss_fn=self._scaled_loss)
@@ -255,7 +292,10 @@ class PipelineRunner:
         schedule = self._schedule(input_ids.shape)
         args = (input_ids,) if self.has_first_stage else ()
         losses: list[torch.Tensor] = []
+        self.timing.busy_seconds = 0.0
+        started = time.perf_counter()
         schedule.step(*args, target=labels if self.has_last_stage else None, losses=losses)
+        self.timing.step_seconds = time.perf_counter() - started
         loss = None
         if self.has_last_stage:
             loss = torch.stack([value.detach() for value in losses]).mean() / self.loss_scale

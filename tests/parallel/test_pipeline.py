@@ -53,8 +53,10 @@ def _fit(tp: int, pp: int, schedule: str, mode: str, microbatches: int, module: 
                                          limit_val_batches=None, val_check_interval=STEPS,
                                          check_val_every_n_epoch=None))
     trainer.fit(module, TokenDataModule(seq_len=SEQ_LEN, batch_size=batch or GLOBAL_BATCH // dp, val_fraction=0.2))
+    timing = trainer.strategy.pipeline_timing
     return {"losses": logger.values("train_loss"), "val_loss": logger.values("val_loss"),
-            "first_grads": capture.first_grads, "batch": batch or GLOBAL_BATCH // dp}
+            "first_grads": capture.first_grads, "batch": batch or GLOBAL_BATCH // dp,
+            "timing": (timing.step_seconds, timing.busy_seconds, timing.idle_fraction)}
 
 
 def _error_of(function, *args) -> str:
@@ -114,6 +116,14 @@ def test_stage_split_keeps_global_names(world_results):
     first, last = world_results["pp2-1f1b"][0]["first_grads"], world_results["pp2-1f1b"][1]["first_grads"]
     assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first
     assert "lm_head.weight" in last and "model.norm.weight" in last and "model.layers.3.mlp.up_proj.weight" in last
+
+
+def test_stage_busy_and_idle_time_are_recorded(world_results):
+    """Only consistency is checked here; measured vs theoretical bubble belongs to the benchmarks."""
+    for name in ("pp2-gpipe", "pp2-1f1b", "pp4-1f1b"):
+        for step_seconds, busy_seconds, idle_fraction in (rank["timing"] for rank in world_results[name]):
+            assert 0.0 < busy_seconds < step_seconds
+            assert idle_fraction == pytest.approx(1.0 - busy_seconds / step_seconds)
 
 
 def test_runtime_pipeline_errors_are_clear(world_results):
