@@ -40,6 +40,7 @@ from lightning_tp3d.parallel.data import DATA_PARALLEL_MODES, all_reduce_gradien
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
 from lightning_tp3d.models.llama import causal_lm_loss
 from lightning_tp3d.parallel.pipeline import (
+    PipelinePlan,
     PipelineRunner,
     StageModule,
     StageTiming,
@@ -243,8 +244,9 @@ class TP3DStrategy(ModelParallelStrategy):
         if layout.tensor_parallel_size > 1:
             check_plan_matches(network, self._tp_plan)
         stage_modules: list[StageModule] = []
+        pipeline_plan = None
         if layout.pipeline_parallel_size > 1:
-            stage_modules = self._split_pipeline(network, config)
+            pipeline_plan, stage_modules = self._split_pipeline(network, config)
         elif config is not None:
             layout.validate_model(config)
         if layout.tensor_parallel_size > 1:
@@ -253,11 +255,11 @@ class TP3DStrategy(ModelParallelStrategy):
             # Under pipelining each stage module is called directly, so each is an FSDP root of its own.
             roots = stage_modules or [network]
             apply_fsdp(roots, self.device_mesh["dp"], self._blocks(network))
-        if stage_modules:
-            self._install_pipeline(network, stage_modules)
+        if pipeline_plan is not None:
+            self._install_pipeline(network, pipeline_plan, stage_modules)
         self._parallelized_network = network
 
-    def _split_pipeline(self, network: nn.Module, config: Any | None) -> list[StageModule]:
+    def _split_pipeline(self, network: nn.Module, config: Any | None) -> tuple[PipelinePlan, list[StageModule]]:
         layout = self.layout
         layers = _resolve_attribute(network, self._layers_attribute, "layers_attribute")
         if not isinstance(layers, nn.ModuleDict):
@@ -281,11 +283,10 @@ class TP3DStrategy(ModelParallelStrategy):
         for path in self._pipeline_first_modules + self._pipeline_last_modules:
             _resolve_attribute(network, path, "pipeline_first_modules / pipeline_last_modules entry")
         prune_to_stages(network, plan, layers, self._pipeline_first_modules, self._pipeline_last_modules)
-        self._pipeline_plan = plan
-        return [self._stage_module(network, layers, plan, index, layer_range)
-                for index, layer_range in zip(plan.stage_indices, plan.layer_ranges)]
+        return plan, [self._stage_module(network, layers, plan, index, layer_range)
+                      for index, layer_range in zip(plan.stage_indices, plan.layer_ranges)]
 
-    def _stage_module(self, network: nn.Module, layers: nn.ModuleDict, plan: Any, index: int,
+    def _stage_module(self, network: nn.Module, layers: nn.ModuleDict, plan: PipelinePlan, index: int,
                       layer_range: range) -> StageModule:
         parts: list[nn.Module] = []
         if index == 0:
@@ -297,10 +298,10 @@ class TP3DStrategy(ModelParallelStrategy):
                       self._pipeline_last_modules]
         return StageModule(parts)
 
-    def _install_pipeline(self, network: nn.Module, stage_modules: list[StageModule]) -> None:
+    def _install_pipeline(self, network: nn.Module, plan: PipelinePlan, stage_modules: list[StageModule]) -> None:
         """Route `network(input_ids, labels=...)` through the schedule (the LightningModule contract)."""
         loss_fn = getattr(network, "loss_function", causal_lm_loss)
-        runner = PipelineRunner(stage_modules, self._pipeline_plan, self.layout.num_microbatches, loss_fn,
+        runner = PipelineRunner(stage_modules, plan, self.layout.num_microbatches, loss_fn,
                                 self._group("pp"), self.root_device)
         self._pipeline = runner
         strategy = self
