@@ -15,9 +15,11 @@ or by name, `Trainer(strategy="tp3d")`, which is plain data parallelism over all
 
 from __future__ import annotations
 
+import os
 import types
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -27,13 +29,24 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
+from lightning_tp3d.checkpoint import MODEL_GROUP, CheckpointMeta, load_checkpoint, load_rng_state, save_checkpoint
+from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosition
 from lightning_tp3d.layout import LayoutError, ParallelLayout
 from lightning_tp3d.mesh import build_device_mesh
 from lightning_tp3d.parallel.data import DATA_PARALLEL_MODES, all_reduce_gradients, apply_fsdp
@@ -54,8 +67,13 @@ from lightning_tp3d.parallel.tensor import (
     plan_entries_present,
     resolve_tp_plan,
 )
+from lightning_tp3d.random_state import restore_rng_state
 
 __all__ = ["TP3DStrategy"]
+
+# Flattened optimizer state is keyed by parameter name (`state.<name>.exp_avg`), not by position, so the
+# state of a stage's parameters is found again under any pipeline split.
+_FLAT_OPTIMIZER_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
 
 _MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                        "num_attention_heads", "num_key_value_heads")
@@ -140,9 +158,10 @@ class TP3DStrategy(ModelParallelStrategy):
         if pipeline_parallel_size > 1:
             stages_per_rank_of(pipeline_schedule, pipeline_parallel_size, num_microbatches, stages_per_rank)
             if num_microbatches < pipeline_parallel_size:
+                bubble = (pipeline_parallel_size - 1) / (num_microbatches + pipeline_parallel_size - 1)
                 rank_zero_warn(
                     f"num_microbatches={num_microbatches} < pipeline_parallel_size={pipeline_parallel_size}: the"
-                    f" pipeline bubble is at least {(pipeline_parallel_size - 1) / (num_microbatches + pipeline_parallel_size - 1):.0%}"
+                    f" pipeline bubble is at least {bubble:.0%}"
                     " of each step; use num_microbatches >= pipeline_parallel_size."
                 )
         if data_parallel_mode not in DATA_PARALLEL_MODES:
@@ -164,6 +183,8 @@ class TP3DStrategy(ModelParallelStrategy):
         self._layers_attribute = layers_attribute
         self._layout: ParallelLayout | None = None
         self._parallelized_network: nn.Module | None = None
+        self._sample_position = SamplePosition()
+        self._resume_position: SamplePosition | None = None
 
     # ------------------------------------------------------------------ layout and mesh
     @property
@@ -213,6 +234,39 @@ class TP3DStrategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         coordinates = self.layout.coordinates(self.global_rank)
         return {"num_replicas": self.layout.data_parallel_size, "rank": coordinates.dp}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make the training sampler resumable at the consumed-samples position, and give every DataLoader
+        its own generator: starting an iterator then draws its worker seed from it instead of from the
+        global random state, so a resumed run's random stream matches the uninterrupted run's."""
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        trainer = self.lightning_module.trainer
+        if trainer.training and type(dataloader.sampler) is DistributedSampler:
+            sampler = ResumableDistributedSampler.like(dataloader.sampler)
+            # Lightning starts the first iterator of a fit before it sets the sampler's epoch.
+            sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
+            if self._resume_position is not None:
+                sampler.resume(self._resume_position.epoch, self._resume_position.consumed_in_epoch)
+            dataloader = _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+        elif trainer.training and self._resume_position is not None:
+            rank_zero_warn(
+                f"The training sampler is a {type(dataloader.sampler).__name__}, not the DistributedSampler Lightning"
+                " adds: the resumed epoch starts from its first batch. Keep `use_distributed_sampler=True` for an"
+                " exact data position."
+            )
+        if trainer.training:
+            self._resume_position = None
+        if dataloader.generator is None:
+            dataloader.generator = torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        return dataloader
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Every dp rank holds an equal share of the global batch (the sampler pads the epoch evenly).
+        self._sample_position.advance(self.lightning_module.trainer.current_epoch,
+                                      extract_batch_size(batch) * self.layout.data_parallel_size)
 
     def _group(self, name: str) -> torch.distributed.ProcessGroup:
         return self.device_mesh[name].get_group()
@@ -396,6 +450,69 @@ class TP3DStrategy(ModelParallelStrategy):
 
         self.precision_plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, self.precision_plugin)
         self.precision_plugin.clip_grad_by_value = types.MethodType(clip_grad_by_value, self.precision_plugin)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return get_optimizer_state_dict(self.model, optimizer, options=_FLAT_OPTIMIZER_STATE)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write a sharded checkpoint folder (see `lightning_tp3d.checkpoint`) atomically at `filepath`."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} writes DCP shards itself and takes no storage_options.")
+        path = Path(self.broadcast(str(filepath)))
+        state = {MODEL_GROUP: checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{index}": optimizer_state
+                      for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", []))})
+        save_checkpoint(path, state, checkpoint, self._checkpoint_meta(checkpoint))
+
+    def _checkpoint_meta(self, checkpoint: Mapping[str, Any]) -> CheckpointMeta:
+        config = _model_config(self.lightning_module, self._network())
+        epoch, position = checkpoint.get("epoch", 0), self._sample_position
+        return CheckpointMeta(
+            layout=self.layout.to_dict(), world_size=self.world_size, global_step=checkpoint.get("global_step", 0),
+            epoch=epoch, consumed_samples=position.consumed,
+            consumed_samples_in_epoch=position.consumed_in_epoch if position.epoch == epoch else 0,
+            network_prefix=self._model_attribute + ".", data_parallel_mode=self._data_parallel_mode,
+            model_config=config.to_dict() if hasattr(config, "to_dict") else None,
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore the model and optimizers at the current layout, whatever layout saved them, plus the
+        random states (same layout only) and the data position; return the trainer's state for Lightning
+        (loops, callbacks, LR schedulers). Files are always read with `weights_only=True`."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        strict = self.lightning_module.strict_loading
+        model_state = get_model_state_dict(self.model)
+        optimizer_states = [get_optimizer_state_dict(self.model, optimizer, options=_FLAT_OPTIMIZER_STATE)
+                            for optimizer in self.optimizers]
+        state = {MODEL_GROUP: model_state}
+        state.update({f"optimizer_{index}": optimizer_state for index, optimizer_state in enumerate(optimizer_states)})
+        meta, trainer_state = load_checkpoint(path, state, strict=strict)
+        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=strict))
+        for optimizer, optimizer_state in zip(self.optimizers, optimizer_states):
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=_FLAT_OPTIMIZER_STATE)
+        self._restore_run_position(path, meta)
+        return trainer_state
+
+    def _restore_run_position(self, path: Path, meta: CheckpointMeta) -> None:
+        layout = self.layout
+        current = (layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size)
+        if meta.parallel_sizes == current:
+            restore_rng_state(load_rng_state(path, self.global_rank))
+        else:
+            rank_zero_warn(
+                f"Resharding checkpoint {path}: saved at (tp, pp, dp) = {meta.parallel_sizes}, loading at {current}."
+                " Model and optimizer state are resharded; random states belong to the old ranks and are not"
+                " restored."
+            )
+        rank_zero_info(f"Resuming at step {meta.global_step}, epoch {meta.epoch}, after"
+                       f" {meta.consumed_samples_in_epoch} samples of the epoch ({meta.consumed_samples} in all).")
+        self._sample_position = SamplePosition(meta.epoch, meta.consumed_samples_in_epoch, meta.consumed_samples)
+        self._resume_position = SamplePosition(meta.epoch, meta.consumed_samples_in_epoch, meta.consumed_samples)
 
     # ------------------------------------------------------------------ collectives
     @override

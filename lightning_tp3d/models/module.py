@@ -12,6 +12,8 @@ The contract with `TP3DStrategy` (what makes one module run unchanged at every (
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import torch
 
@@ -27,6 +29,8 @@ class CausalLMModule(L.LightningModule):
     Args:
         model: a preset name (`tiny`, `deepseek-llm-7b`, ...), a `config.json` path or a `ModelConfig`.
         learning_rate, weight_decay, betas: AdamW settings.
+        warmup_steps: optimizer steps of linear learning-rate warm-up (`lr x min(1, (step + 1) / warmup_steps)`);
+            0 keeps the rate constant.
         init_seed: seed of the weight initialisation, independent of the rank's random state, so every
             layout starts from identical weights.
     """
@@ -38,6 +42,7 @@ class CausalLMModule(L.LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         init_seed: int = 0,
+        warmup_steps: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
@@ -64,10 +69,15 @@ class CausalLMModule(L.LightningModule):
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(
             self.parameters(),
             lr=self.hparams.learning_rate,
             weight_decay=self.hparams.weight_decay,
             betas=tuple(self.hparams.betas),
         )
+        warmup_steps = self.hparams.warmup_steps
+        if warmup_steps == 0:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,0 +1,310 @@
+"""Checkpoints through Lightning's `ModelCheckpoint` / `ckpt_path=` flow with TP3DStrategy.
+
+* Exact resume at (tp, pp, dp) = (2, 2, 2) (FSDP2 over dp, 1F1B) with dropout and an LR warm-up: 8 steps
+  straight vs a new Trainer resuming from the checkpoints of steps 4 (mid-epoch), 5 (last batch of an
+  epoch) and 7 (mid second epoch): identical losses and identical final weights (exact equality).
+* Resharded resume: saved at (2, 2, 1), resumed at (1, 2, 2) (FSDP2), (1, 1, 2) and (2, 1, 1): the continued
+  losses equal the uninterrupted single-process run within 1e-5 and every step sees the same samples.
+* Crash safety and clear errors: a process killed inside a save leaves the previous checkpoint whole;
+  truncated shards, foreign models, unfinished or missing folders are named in the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_tp3d import MODEL_PRESETS, ModelConfig, TP3DStrategy
+from lightning_tp3d.checkpoint import CheckpointError, load_checkpoint, load_model_tensors, read_meta
+from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.models import CausalLMModule
+from tests.distributed import run_distributed
+from tests.helpers import (
+    LEARNING_RATE,
+    SEQ_LEN,
+    MemoryLogger,
+    _training_sample_order,
+    named_full,
+    reference_network,
+    reference_run,
+    trainer_kwargs,
+    world_size,
+)
+
+TOLERANCE = 1e-5
+GLOBAL_BATCH = 8
+STEPS = 8
+SAVED_AT = 4  # the resharding checkpoint
+EXACT_RESUME_STEPS = (4, 5, 7)
+BATCHES_PER_EPOCH = 5  # limit_train_batches of the exact-resume runs: step 5 ends epoch 0
+
+
+class RecordBatches(Callback):
+    """The input ids each step trains on, with this rank's dp coordinate."""
+
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.batches.append(batch["input_ids"].clone())
+
+
+def _fit(tp: int, pp: int, directory: Path, steps: int = STEPS, ckpt_path: Path | None = None,
+         config: ModelConfig | None = None, callbacks: list[Callback] | None = None, mode: str = "replicate",
+         **trainer_options: Any) -> dict:
+    """Fit to `steps` (resuming from `ckpt_path`); return losses, recorded batches and whole final weights.
+
+    With a `config` (dropout) the run is seeded and warms its learning rate up over 6 steps."""
+    if config is not None:
+        L.seed_everything(1234)
+    dp = world_size() // (tp * pp)
+    logger, recorder = MemoryLogger(), RecordBatches()
+    strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
+                            data_parallel_mode=mode)
+    trainer = L.Trainer(**trainer_kwargs(
+        devices=world_size(), strategy=strategy, max_steps=steps, logger=logger, default_root_dir=directory,
+        callbacks=[recorder, *(callbacks or [])], enable_checkpointing=bool(callbacks), **trainer_options))
+    module = CausalLMModule(config or "tiny", learning_rate=LEARNING_RATE, warmup_steps=6 if config else 0)
+    trainer.fit(module, TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2),
+                ckpt_path=ckpt_path)
+    return {"losses": logger.values("train_loss"), "batches": recorder.batches,
+            "dp_rank": strategy.layout.coordinates(trainer.global_rank).dp, "weights": named_full(module)}
+
+
+# ---------------------------------------------------------------------- worlds
+def run_exact_resume_world(directory: str) -> dict[str, Any]:
+    """(2, 2, 2): a straight run saving every step, then a new Trainer resuming from several steps."""
+    directory = Path(directory)
+    dropout = dataclasses.replace(MODEL_PRESETS["tiny"], hidden_dropout=0.1, attention_dropout=0.1)
+    every_step = ModelCheckpoint(dirpath=directory / "every", every_n_train_steps=1, save_top_k=-1)
+    best_two = ModelCheckpoint(dirpath=directory / "best", every_n_train_steps=2, save_top_k=2,
+                               monitor="train_loss", save_last=True)
+    straight = _fit(2, 2, directory, config=dropout, callbacks=[every_step, best_two], mode="fsdp",
+                    limit_train_batches=BATCHES_PER_EPOCH)
+    results: dict[str, Any] = {"straight": straight["losses"], "best_kept": sorted(best_two.best_k_models)}
+    for step in EXACT_RESUME_STEPS:
+        path = directory / "every" / f"epoch={(step - 1) // BATCHES_PER_EPOCH}-step={step}.ckpt"
+        resumed = _fit(2, 2, directory, ckpt_path=path, config=dropout, mode="fsdp",
+                       limit_train_batches=BATCHES_PER_EPOCH)
+        results[f"resumed-{step}"] = resumed["losses"]
+        results[f"weights-{step}"] = all(torch.equal(straight["weights"][name], value)
+                                         for name, value in resumed["weights"].items())
+    return results
+
+
+def run_reshard_save_world(directory: str) -> dict[str, Any]:
+    """(2, 2, 1) saves at step 4; then, in the same world, (1, 2, 2) with FSDP2 over dp resumes from it."""
+    directory = Path(directory)
+    saver = ModelCheckpoint(dirpath=directory, filename="step4", every_n_train_steps=SAVED_AT)
+    saved = _fit(2, 2, directory, steps=SAVED_AT, callbacks=[saver])
+    resumed = _fit(1, 2, directory, ckpt_path=directory / "step4.ckpt", mode="fsdp")
+    return {"saved": saved, "1-2-2": resumed}
+
+
+def run_reshard_resume_world(directory: str) -> dict[str, Any]:
+    directory = Path(directory)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = {"1-1-2": _fit(1, 1, directory, ckpt_path=directory / "step4.ckpt"),
+                   "2-1-1": _fit(2, 1, directory, ckpt_path=directory / "step4.ckpt")}
+    results["warnings"] = [str(warning.message) for warning in caught if "Resharding" in str(warning.message)]
+    return results
+
+
+def crash_during_second_save(directory: str) -> None:
+    """One process: save `last.ckpt` after step 1, then die (SIGKILL) in the middle of the step-2 save."""
+    import lightning_tp3d.checkpoint as checkpoint
+
+    directory = Path(directory)
+    write = checkpoint._save_synced
+    writes = []
+
+    def write_or_die(value: Any, file: Path) -> None:
+        writes.append(file)
+        if len(writes) == 3:  # step 1 wrote rng + trainer state; step 2's DCP shards are on disk now
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(value, file)
+
+    class KeepWeights(Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 1:
+                torch.save({name: value for name, value in pl_module.state_dict().items()}, directory / "step1.pt")
+
+    checkpoint._save_synced = write_or_die
+    last = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=0, save_last=True)
+    L.Trainer(**trainer_kwargs(devices=1, strategy=TP3DStrategy(), max_steps=3, enable_checkpointing=True,
+                               callbacks=[KeepWeights(), last], logger=False)).fit(
+        CausalLMModule("tiny"), TokenDataModule(seq_len=SEQ_LEN, batch_size=4))
+
+
+# ---------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory) -> tuple[dict[str, Any], Path]:
+    directory = tmp_path_factory.mktemp("exact")
+    return run_distributed(8, "tests.test_checkpoint:run_exact_resume_world", str(directory)), directory
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory) -> tuple[dict[str, dict], Path]:
+    directory = tmp_path_factory.mktemp("reshard")
+    four = run_distributed(4, "tests.test_checkpoint:run_reshard_save_world", str(directory))
+    two = run_distributed(2, "tests.test_checkpoint:run_reshard_resume_world", str(directory))
+    runs = {name: [rank[name] for rank in four] for name in four[0]}
+    runs.update({name: [rank[name] for rank in two] for name in two[0]})
+    return runs, directory / "step4.ckpt"
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    return reference_run(STEPS, GLOBAL_BATCH)
+
+
+# ---------------------------------------------------------------------- exact resume
+@pytest.mark.parametrize("step", EXACT_RESUME_STEPS)
+def test_resume_at_same_layout_is_exact(exact, step):
+    for rank in exact[0]:
+        assert len(rank["straight"]) == STEPS
+        assert rank[f"resumed-{step}"] == rank["straight"][step:]  # bitwise, dropout and LR warm-up included
+        assert rank[f"weights-{step}"]
+
+
+def test_model_checkpoint_top_k_and_last(exact):
+    results, directory = exact
+    kept = sorted(path.name for path in (directory / "best").iterdir())
+    assert kept == sorted([Path(path).name for path in results[0]["best_kept"]] + ["last.ckpt"])
+    assert len(kept) == 3 and not any(name.endswith(".partial") for name in kept)
+    assert read_meta(directory / "best" / "last.ckpt").global_step == STEPS
+    meta = read_meta(directory / "every" / "epoch=1-step=7.ckpt")
+    position = (meta.epoch, meta.consumed_samples_in_epoch, meta.consumed_samples)
+    assert position == (1, 2 * GLOBAL_BATCH, 7 * GLOBAL_BATCH)
+    assert meta.parallel_sizes == (2, 2, 2) and meta.world_size == 8
+    assert sorted(path.name for path in (directory / "every" / "epoch=1-step=7.ckpt" / "rng").iterdir()) == [
+        f"rank_{rank:05d}.pt" for rank in range(8)]
+
+
+# ---------------------------------------------------------------------- resharded resume
+def _steps_samples(run: list[dict], steps: range) -> list[list[list[int]]]:
+    """Per step, the global batch's rows (sorted) assembled from one rank of every dp coordinate."""
+    by_dp = {rank["dp_rank"]: rank["batches"] for rank in run}
+    return [sorted(row for dp in sorted(by_dp) for row in by_dp[dp][index].tolist()) for index in range(len(steps))]
+
+
+def _reference_samples(steps: range) -> list[list[list[int]]]:
+    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
+    data.setup()
+    order = _training_sample_order(len(data.train_dataset))
+    return [sorted(data.train_dataset[int(i)]["input_ids"].tolist()
+                   for i in order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]) for step in steps]
+
+
+@pytest.mark.parametrize("layout", ["1-2-2", "1-1-2", "2-1-1"])
+def test_resume_at_another_layout_continues_the_reference(resharded, reference, layout):
+    runs, _ = resharded
+    saved, resumed = runs["saved"], runs[layout]
+    for rank in saved:
+        assert max(abs(a - b) for a, b in zip(rank["losses"], reference["losses"][:SAVED_AT])) <= TOLERANCE
+    for rank in resumed:
+        assert len(rank["losses"]) == STEPS - SAVED_AT
+        assert max(abs(a - b) for a, b in zip(rank["losses"], reference["losses"][SAVED_AT:])) <= TOLERANCE
+    assert _steps_samples(resumed, range(SAVED_AT, STEPS)) == _reference_samples(range(SAVED_AT, STEPS))
+    assert _steps_samples(saved, range(SAVED_AT)) == _reference_samples(range(SAVED_AT))
+    weights = resumed[0]["weights"]
+    for name, expected in reference["final_params"].items():
+        if name in weights:
+            assert (weights[name] - expected).abs().max().item() <= TOLERANCE, name
+
+
+def test_layout_change_is_reported(resharded):
+    runs, path = resharded
+    assert runs["warnings"][0] == [
+        f"Resharding checkpoint {path}: saved at (tp, pp, dp) = (2, 2, 1), loading at (1, 1, 2). Model and optimizer"
+        " state are resharded; random states belong to the old ranks and are not restored.",
+        f"Resharding checkpoint {path}: saved at (tp, pp, dp) = (2, 2, 1), loading at (2, 1, 1). Model and optimizer"
+        " state are resharded; random states belong to the old ranks and are not restored."]
+    assert runs["warnings"][1] == []  # reported once, by rank 0
+
+
+def test_sharded_checkpoint_consolidates_in_one_process(resharded):
+    _, path = resharded
+    expected = reference_run(SAVED_AT, GLOBAL_BATCH)["final_params"]
+    merged = load_model_tensors(path)
+    assert merged.keys() == {f"model.{name}" for name in expected}
+    for name, value in expected.items():
+        assert (merged[f"model.{name}"] - value).abs().max().item() <= TOLERANCE, name
+    one = load_model_tensors(path, ["model.lm_head.weight"])
+    assert one.keys() == {"model.lm_head.weight"} and torch.equal(one["model.lm_head.weight"],
+                                                                   merged["model.lm_head.weight"])
+
+
+# ---------------------------------------------------------------------- crash safety and errors
+def _model_state(network: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    return {"module": {f"model.{name}": value for name, value in network.state_dict().items()}}
+
+
+def test_killed_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    command = [sys.executable, "-c", "import sys; from tests.test_checkpoint import crash_during_second_save as f;"
+               " f(sys.argv[1])", str(tmp_path)]
+    process = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=300)
+    assert process.returncode == -signal.SIGKILL, process.stderr.decode()[-3000:]
+    assert (tmp_path / "last.ckpt.partial").is_dir()
+    assert read_meta(tmp_path / "last.ckpt").global_step == 1
+    expected = torch.load(tmp_path / "step1.pt", weights_only=True)
+    restored = load_model_tensors(tmp_path / "last.ckpt")
+    assert restored.keys() == expected.keys()
+    assert all(torch.equal(restored[name], expected[name]) for name in expected)
+    with pytest.raises(CheckpointError, match=r"last.ckpt.partial is an unfinished save \(interrupted"):
+        read_meta(tmp_path / "last.ckpt.partial")
+    shutil.rmtree(tmp_path / "last.ckpt")
+    with pytest.raises(CheckpointError, match=r"last.ckpt does not exist. .*last.ckpt.partial exists: a save to this"
+                                              r" name was interrupted"):
+        read_meta(tmp_path / "last.ckpt")
+
+
+def test_truncated_shard_is_named(resharded, tmp_path):
+    _, path = resharded
+    copy = shutil.copytree(path, tmp_path / "copy.ckpt")
+    shard = sorted(copy.glob("*.distcp"))[-1]
+    size = shard.stat().st_size
+    with open(shard, "r+b") as file:
+        file.truncate(size // 2)
+    with pytest.raises(CheckpointError, match=rf"Shard .*{shard.name} is truncated: {size // 2} bytes on disk, the DCP"
+                                              r" index needs at least \d+"):
+        load_checkpoint(copy, _model_state(reference_network()))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"Shard .*{shard.name} is missing"):
+        load_model_tensors(copy)
+
+
+def test_checkpoint_of_another_model_is_refused(resharded):
+    _, path = resharded
+    other = CausalLMModule(dataclasses.replace(MODEL_PRESETS["tiny"], hidden_size=32, num_attention_heads=2,
+                                               num_key_value_heads=1))
+    other.configure_model()
+    with pytest.raises(CheckpointError, match=r"does not fit this model and optimizer: module.model.model.embed_tokens"
+                                              r".weight has shape \[256, 64\] in the checkpoint, \[256, 32\] here"):
+        load_checkpoint(path, _model_state(other.model))
+
+
+def test_not_a_checkpoint_is_refused(tmp_path):
+    (tmp_path / "model.ckpt").write_bytes(b"\x80\x04not a folder")
+    with pytest.raises(CheckpointError, match=r"model.ckpt is a file, but a lightning_tp3d checkpoint is a folder"):
+        read_meta(tmp_path / "model.ckpt")
+    (tmp_path / "folder.ckpt").mkdir()
+    with pytest.raises(CheckpointError, match=r"folder.ckpt has no meta.json: it is not a lightning_tp3d checkpoint"):
+        read_meta(tmp_path / "folder.ckpt")
+    (tmp_path / "folder.ckpt" / "meta.json").write_text('{"format": "lightning_tp3d", "layout": ')
+    with pytest.raises(CheckpointError, match=r"meta.json is not valid JSON"):
+        read_meta(tmp_path / "folder.ckpt")
