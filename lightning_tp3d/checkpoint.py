@@ -18,7 +18,8 @@ read with `torch.load(..., weights_only=True)`; no value of the checkpoint is un
 
 A save writes `<name>.partial` and renames it to `<name>` after every rank has finished, so an
 interrupted save never leaves a half-written folder under the checkpoint's name and an existing
-checkpoint of that name stays intact until the new one is complete.
+checkpoint of that name stays intact until the new one is complete. A save can run asynchronously:
+the tensors are copied to CPU memory and written by a background thread while training goes on.
 
 Example usage::
 
@@ -51,6 +52,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMeta",
     "MODEL_GROUP",
+    "PendingSave",
     "load_checkpoint",
     "load_model_tensors",
     "load_rng_state",
@@ -121,12 +123,20 @@ def save_checkpoint(
     state: Mapping[str, Mapping[str, Any]],
     trainer_state: Mapping[str, Any],
     meta: CheckpointMeta,
-) -> None:
+    asynchronous: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> PendingSave:
     """Write a checkpoint folder at `path`; a collective: every rank calls it with its own shards.
 
     `state` maps a group name (`"module"`, `"optimizer_0"`, ...) to a flat state dict whose tensors may be
     DTensors (sharded over tp / dp) or plain tensors (a pipeline stage's own, or replicated ones).
     Non-tensor entries (an optimizer's learning rate) are gathered to rank 0 with `trainer_state`.
+
+    Synchronous by default: the returned `PendingSave` is already finished. With `asynchronous=True` the
+    tensors are first copied to CPU memory (so training may change the parameters right away), then
+    written by a background thread whose collectives run on `process_group` (a group of its own, e.g.
+    `dist.new_group(backend="gloo")`, since they overlap with training's); the checkpoint appears under
+    `path` when `PendingSave.finish()` is called, on every rank, after that.
     """
     path = Path(path)
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
@@ -137,18 +147,43 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         (partial / RNG_FOLDER).mkdir(parents=True)
     _barrier()
-    dcp.save(tensors, checkpoint_id=partial)
     _save_synced(capture_rng_state(), partial / RNG_FOLDER / _rng_file_name(rank))
-    _barrier()
     if rank == 0:
         _save_synced({"trainer": _plain(trainer_state, "trainer_state"), "values": values},
                      partial / TRAINER_STATE_FILE)
-        with open(partial / META_FILE, "w", encoding="utf-8") as file:  # last: its presence marks a whole folder
-            file.write(meta.to_json())
-            file.flush()
-            os.fsync(file.fileno())
-        _replace(partial, path)
-    _barrier()
+    if asynchronous:
+        return PendingSave(path, meta, dcp.async_save(tensors, checkpoint_id=partial, process_group=process_group))
+    dcp.save(tensors, checkpoint_id=partial)
+    pending = PendingSave(path, meta)
+    pending.finish()
+    return pending
+
+
+class PendingSave:
+    """A checkpoint whose shards are being written; `finish()` (a collective) waits for them, writes
+    `meta.json` and renames `<name>.partial` to `<name>`."""
+
+    def __init__(self, path: Path, meta: CheckpointMeta, shards_written: Any = None) -> None:
+        self.path = path
+        self._meta = meta
+        self._shards_written = shards_written
+        self._finished = False
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        if self._shards_written is not None:
+            self._shards_written.result()
+        _barrier()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
+            with open(partial / META_FILE, "w", encoding="utf-8") as file:  # last: it marks a whole folder
+                file.write(self._meta.to_json())
+                file.flush()
+                os.fsync(file.fileno())
+            _replace(partial, self.path)
+        _barrier()
 
 
 def _split_tensors(state: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -29,7 +29,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -45,7 +45,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_tp3d.checkpoint import MODEL_GROUP, CheckpointMeta, load_checkpoint, load_rng_state, save_checkpoint
+from lightning_tp3d.checkpoint import (
+    MODEL_GROUP,
+    CheckpointMeta,
+    PendingSave,
+    load_checkpoint,
+    load_rng_state,
+    save_checkpoint,
+)
 from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosition
 from lightning_tp3d.layout import LayoutError, ParallelLayout
 from lightning_tp3d.mesh import build_device_mesh
@@ -122,6 +129,8 @@ class TP3DStrategy(ModelParallelStrategy):
             the first stage / after them on the last stage; a stage computes first -> blocks -> last.
         process_group_backend: `"gloo"` / `"nccl"`; default from the device (gloo on CPU, nccl on CUDA).
         timeout: timeout of the process groups' collectives.
+        async_checkpoint: write checkpoints in a background thread (tensors are first copied to CPU
+            memory); a checkpoint appears under its name once the next save starts or fit ends.
     """
 
     strategy_name = "tp3d"
@@ -143,6 +152,7 @@ class TP3DStrategy(ModelParallelStrategy):
         pipeline_last_modules: Sequence[str] = ("model.norm", "lm_head"),
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -185,6 +195,9 @@ class TP3DStrategy(ModelParallelStrategy):
         self._parallelized_network: nn.Module | None = None
         self._sample_position = SamplePosition()
         self._resume_position: SamplePosition | None = None
+        self._async_checkpoint = async_checkpoint
+        self._checkpoint_group: torch.distributed.ProcessGroup | None = None
+        self._pending_save: PendingSave | None = None
 
     # ------------------------------------------------------------------ layout and mesh
     @property
@@ -228,6 +241,9 @@ class TP3DStrategy(ModelParallelStrategy):
         self._device_mesh = build_device_mesh(self._layout, self.root_device.type)
         # `LightningModule.device_mesh` makes the mesh reachable from `configure_model` and the steps.
         self.lightning_module._device_mesh = self._device_mesh
+        if self._async_checkpoint and self._checkpoint_group is None:
+            # The background writer's collectives need a group of their own: they overlap with training's.
+            self._checkpoint_group = torch.distributed.new_group(backend="gloo")
 
     @property
     @override
@@ -463,10 +479,27 @@ class TP3DStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes DCP shards itself and takes no storage_options.")
         path = Path(self.broadcast(str(filepath)))
+        self.finish_pending_save()
         state = {MODEL_GROUP: checkpoint.pop("state_dict")}
         state.update({f"optimizer_{index}": optimizer_state
                       for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", []))})
-        save_checkpoint(path, state, checkpoint, self._checkpoint_meta(checkpoint))
+        # Only inside a running fit, whose teardown finishes the save; a save after fit is synchronous.
+        trainer_state = self.lightning_module.trainer.state
+        asynchronous = (self._async_checkpoint and trainer_state.fn == TrainerFn.FITTING
+                        and trainer_state.status == TrainerStatus.RUNNING)
+        self._pending_save = save_checkpoint(path, state, checkpoint, self._checkpoint_meta(checkpoint),
+                                             asynchronous=asynchronous, process_group=self._checkpoint_group)
+
+    def finish_pending_save(self) -> None:
+        """Wait for an asynchronous save and move it under its name (a collective; a no-op without one)."""
+        if self._pending_save is not None:
+            self._pending_save.finish()
+            self._pending_save = None
+
+    @override
+    def teardown(self) -> None:
+        self.finish_pending_save()
+        super().teardown()
 
     def _checkpoint_meta(self, checkpoint: Mapping[str, Any]) -> CheckpointMeta:
         config = _model_config(self.lightning_module, self._network())
@@ -485,6 +518,7 @@ class TP3DStrategy(ModelParallelStrategy):
         random states (same layout only) and the data position; return the trainer's state for Lightning
         (loops, callbacks, LR schedulers). Files are always read with `weights_only=True`."""
         path = Path(self.broadcast(str(checkpoint_path)))
+        self.finish_pending_save()
         strict = self.lightning_module.strict_loading
         model_state = get_model_state_dict(self.model)
         optimizer_states = [get_optimizer_state_dict(self.model, optimizer, options=_FLAT_OPTIMIZER_STATE)

@@ -1,7 +1,7 @@
 """Checkpoints through Lightning's `ModelCheckpoint` / `ckpt_path=` flow with TP3DStrategy.
 
 * Exact resume at (tp, pp, dp) = (2, 2, 2) (FSDP2 over dp, 1F1B) with dropout and an LR warm-up: 8 steps
-  straight vs a new Trainer resuming from the checkpoints of steps 4 (mid-epoch), 5 (last batch of an
+  straight (saving asynchronously) vs a new Trainer resuming from the checkpoints of steps 4 (mid-epoch), 5 (last batch of an
   epoch) and 7 (mid second epoch): identical losses and identical final weights (exact equality).
 * Resharded resume: saved at (2, 2, 1), resumed at (1, 2, 2) (FSDP2), (1, 1, 2) and (2, 1, 1): the continued
   losses equal the uninterrupted single-process run within 1e-5 and every step sees the same samples.
@@ -64,7 +64,7 @@ class RecordBatches(Callback):
 
 def _fit(tp: int, pp: int, directory: Path, steps: int = STEPS, ckpt_path: Path | None = None,
          config: ModelConfig | None = None, callbacks: list[Callback] | None = None, mode: str = "replicate",
-         **trainer_options: Any) -> dict:
+         async_checkpoint: bool = False, **trainer_options: Any) -> dict:
     """Fit to `steps` (resuming from `ckpt_path`); return losses, recorded batches and whole final weights.
 
     With a `config` (dropout) the run is seeded and warms its learning rate up over 6 steps."""
@@ -73,7 +73,7 @@ def _fit(tp: int, pp: int, directory: Path, steps: int = STEPS, ckpt_path: Path 
     dp = world_size() // (tp * pp)
     logger, recorder = MemoryLogger(), RecordBatches()
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
-                            data_parallel_mode=mode)
+                            data_parallel_mode=mode, async_checkpoint=async_checkpoint)
     trainer = L.Trainer(**trainer_kwargs(
         devices=world_size(), strategy=strategy, max_steps=steps, logger=logger, default_root_dir=directory,
         callbacks=[recorder, *(callbacks or [])], enable_checkpointing=bool(callbacks), **trainer_options))
@@ -86,14 +86,15 @@ def _fit(tp: int, pp: int, directory: Path, steps: int = STEPS, ckpt_path: Path 
 
 # ---------------------------------------------------------------------- worlds
 def run_exact_resume_world(directory: str) -> dict[str, Any]:
-    """(2, 2, 2): a straight run saving every step, then a new Trainer resuming from several steps."""
+    """(2, 2, 2): a straight run saving every step asynchronously, then a new Trainer resuming from several
+    steps (the checkpoints must hold each step's values although training went on while they were written)."""
     directory = Path(directory)
     dropout = dataclasses.replace(MODEL_PRESETS["tiny"], hidden_dropout=0.1, attention_dropout=0.1)
     every_step = ModelCheckpoint(dirpath=directory / "every", every_n_train_steps=1, save_top_k=-1)
     best_two = ModelCheckpoint(dirpath=directory / "best", every_n_train_steps=2, save_top_k=2,
                                monitor="train_loss", save_last=True)
     straight = _fit(2, 2, directory, config=dropout, callbacks=[every_step, best_two], mode="fsdp",
-                    limit_train_batches=BATCHES_PER_EPOCH)
+                    async_checkpoint=True, limit_train_batches=BATCHES_PER_EPOCH)
     results: dict[str, Any] = {"straight": straight["losses"], "best_kept": sorted(best_two.best_k_models)}
     for step in EXACT_RESUME_STEPS:
         path = directory / "every" / f"epoch={(step - 1) // BATCHES_PER_EPOCH}-step={step}.ckpt"
@@ -129,21 +130,21 @@ def crash_during_second_save(directory: str) -> None:
     import lightning_tp3d.checkpoint as checkpoint
 
     directory = Path(directory)
-    write = checkpoint._save_synced
-    writes = []
+    rename = checkpoint._replace
+    renames = []
 
-    def write_or_die(value: Any, file: Path) -> None:
-        writes.append(file)
-        if len(writes) == 3:  # step 1 wrote rng + trainer state; step 2's DCP shards are on disk now
+    def rename_or_die(partial: Path, path: Path) -> None:
+        renames.append(path)
+        if len(renames) == 2:  # every file of the step-2 save is written, only the rename is left
             os.kill(os.getpid(), signal.SIGKILL)
-        write(value, file)
+        rename(partial, path)
 
     class KeepWeights(Callback):
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
             if trainer.global_step == 1:
                 torch.save({name: value for name, value in pl_module.state_dict().items()}, directory / "step1.pt")
 
-    checkpoint._save_synced = write_or_die
+    checkpoint._replace = rename_or_die
     last = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=0, save_last=True)
     L.Trainer(**trainer_kwargs(devices=1, strategy=TP3DStrategy(), max_steps=3, enable_checkpointing=True,
                                callbacks=[KeepWeights(), last], logger=False)).fit(
