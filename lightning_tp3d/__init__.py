@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_tp3d.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.layout import LayoutError, ParallelLayout, RankCoordinates
+from lightning_tp3d.precision import TP3DPrecision
 from lightning_tp3d.strategy import TP3DStrategy
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "ModelConfig",
     "ParallelLayout",
     "RankCoordinates",
+    "TP3DPrecision",
     "TP3DStrategy",
     "resolve_model_config",
 ]

@@ -38,7 +38,10 @@ def _plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--gradient-accumulation-steps", type=int, default=1)
     plan.add_argument("--seq-len", type=int, default=4096)
     plan.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16-mixed")
-    plan.add_argument("--recompute", choices=["none", "full"], default="none")
+    plan.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
+    plan.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform",
+                      help="uniform: every N-th layer; block: the first N layers of each stage")
+    plan.add_argument("--recompute-num-layers", type=int, default=1, metavar="N")
     plan.add_argument("--dp-mode", choices=["replicate", "fsdp"], default="replicate")
     plan.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     plan.add_argument("--serve-seq-len", type=int, default=None, help="serving sequence length (default: --seq-len)")
@@ -55,7 +58,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         gradient_accumulation_steps=args.gradient_accumulation_steps,
     )
     options = TrainingOptions(seq_len=args.seq_len, precision=args.precision, recompute=args.recompute,
-                              data_parallel_mode=args.dp_mode, schedule=args.schedule)
+                              data_parallel_mode=args.dp_mode, schedule=args.schedule,
+                              recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
     training = training_ledger(config, layout, options)
     serving = serving_ledger(config, args.serve_seq_len or args.seq_len, args.serve_num_seqs, args.serve_dtype)
     if args.json:
@@ -65,7 +69,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(f"model {args.model}: {config.num_parameters():,} parameters ({config.num_parameters() / 1e9:.2f}e9)")
     print(f"layout tp={layout.tensor_parallel_size} pp={layout.pipeline_parallel_size} dp={layout.data_parallel_size}"
           f" -> {layout.world_size} ranks; global batch {layout.global_batch_size} sequences of {args.seq_len} tokens")
-    print(f"training {args.precision}, recompute={args.recompute}, dp mode={args.dp_mode}, schedule={args.schedule}")
+    recompute = args.recompute if args.recompute == "none" else (
+        f"{args.recompute} ({args.recompute_method}, N={args.recompute_num_layers})")
+    print(f"training {args.precision}, recompute={recompute}, dp mode={args.dp_mode}, schedule={args.schedule}")
     print(f"{'stage':>5} {'layers':>9} {'params/rank':>14} {'weights':>9} {'grads':>9} {'optim':>9} "
           f"{'activ':>9} {'total GiB':>9}")
     for stage in training.stages:

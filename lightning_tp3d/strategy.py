@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -74,6 +75,13 @@ from lightning_tp3d.parallel.tensor import (
     plan_entries_present,
     resolve_tp_plan,
 )
+from lightning_tp3d.parallel.recompute import (
+    DEFAULT_SELECTIVE_TARGET,
+    apply_recompute,
+    check_recompute_options,
+    recomputed_layers,
+)
+from lightning_tp3d.precision import ModelParallelGradScaler
 from lightning_tp3d.random_state import restore_rng_state
 
 __all__ = ["TP3DStrategy"]
@@ -131,6 +139,14 @@ class TP3DStrategy(ModelParallelStrategy):
         timeout: timeout of the process groups' collectives.
         async_checkpoint: write checkpoints in a background thread (tensors are first copied to CPU
             memory); a checkpoint appears under its name once the next save starts or fit ends.
+        recompute: activation recompute granularity, `"none"`, `"full"` (whole blocks) or `"selective"`
+            (the part of each block named by `recompute_target`, by default the attention core).
+        recompute_method / recompute_num_layers: `"uniform"` recomputes every N-th block (global index),
+            `"block"` the first N blocks of each pipeline stage.
+        recompute_target: attribute path inside a block of the method or module `"selective"` recomputes.
+
+    Mixed precision: `Trainer(precision="bf16-mixed" | "bf16-true")`, or for fp16 with a loss scaler that
+    every rank agrees on, `Trainer(plugins=[TP3DPrecision("16-mixed")])` (see `lightning_tp3d.precision`).
     """
 
     strategy_name = "tp3d"
@@ -153,6 +169,10 @@ class TP3DStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         async_checkpoint: bool = False,
+        recompute: Literal["none", "full", "selective"] = "none",
+        recompute_method: Literal["uniform", "block"] = "uniform",
+        recompute_num_layers: int = 1,
+        recompute_target: str = DEFAULT_SELECTIVE_TARGET,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -174,6 +194,7 @@ class TP3DStrategy(ModelParallelStrategy):
                     f" pipeline bubble is at least {bubble:.0%}"
                     " of each step; use num_microbatches >= pipeline_parallel_size."
                 )
+        check_recompute_options(recompute, recompute_method, recompute_num_layers)
         if data_parallel_mode not in DATA_PARALLEL_MODES:
             raise ValueError(
                 f"data_parallel_mode={data_parallel_mode!r} is not one of {list(DATA_PARALLEL_MODES)}."
@@ -196,6 +217,7 @@ class TP3DStrategy(ModelParallelStrategy):
         self._sample_position = SamplePosition()
         self._resume_position: SamplePosition | None = None
         self._async_checkpoint = async_checkpoint
+        self._recompute = (recompute, recompute_method, recompute_num_layers, recompute_target)
         self._checkpoint_group: torch.distributed.ProcessGroup | None = None
         self._pending_save: PendingSave | None = None
 
@@ -266,6 +288,8 @@ class TP3DStrategy(ModelParallelStrategy):
             if self._resume_position is not None:
                 sampler.resume(self._resume_position.epoch, self._resume_position.consumed_in_epoch)
             dataloader = _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+            # The sampler restores the position itself; Lightning's warning about a non-resumable loader is moot.
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         elif trainer.training and self._resume_position is not None:
             rank_zero_warn(
                 f"The training sampler is a {type(dataloader.sampler).__name__}, not the DistributedSampler Lightning"
@@ -302,8 +326,9 @@ class TP3DStrategy(ModelParallelStrategy):
         return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
     def _parallelize(self, network: nn.Module) -> None:
-        """Pipeline split, then tensor parallel (DTensor weights over tp), then FSDP2 over dp, which must
-        wrap parameters that are already DTensors.
+        """Pipeline split, then tensor parallel (DTensor weights over tp), then activation recompute, then
+        FSDP2 over dp, which must wrap parameters that are already DTensors (and whose units must contain
+        the recomputed code, so the recompute runs on unsharded parameters).
 
         Runs once per network: `trainer.validate` / `test` after `fit` reuse the parallel model.
         """
@@ -321,6 +346,8 @@ class TP3DStrategy(ModelParallelStrategy):
             layout.validate_model(config)
         if layout.tensor_parallel_size > 1:
             apply_tensor_parallel(network, self.device_mesh["tp"], plan_entries_present(network, self._tp_plan))
+        if self._recompute[0] != "none":
+            self._apply_recompute(network, pipeline_plan)
         if self._data_parallel_mode == "fsdp":
             # Under pipelining each stage module is called directly, so each is an FSDP root of its own.
             roots = stage_modules or [network]
@@ -328,6 +355,18 @@ class TP3DStrategy(ModelParallelStrategy):
         if pipeline_plan is not None:
             self._install_pipeline(network, pipeline_plan, stage_modules)
         self._parallelized_network = network
+
+    def _apply_recompute(self, network: nn.Module, pipeline_plan: PipelinePlan | None) -> None:
+        granularity, method, num_layers, target = self._recompute
+        layers = _resolve_attribute(network, self._layers_attribute, "layers_attribute")
+        if isinstance(layers, nn.ModuleDict):
+            blocks = {int(key) if key.isdigit() else position: block
+                      for position, (key, block) in enumerate(layers.items())}
+        else:
+            blocks = dict(enumerate(layers))
+        stage_layers = pipeline_plan.layer_ranges if pipeline_plan is not None else [sorted(blocks)]
+        chosen = recomputed_layers(stage_layers, method, num_layers)
+        apply_recompute({index: blocks[index] for index in chosen}, granularity, target)
 
     def _split_pipeline(self, network: nn.Module, config: Any | None) -> tuple[PipelinePlan, list[StageModule]]:
         layout = self.layout
@@ -380,7 +419,10 @@ class TP3DStrategy(ModelParallelStrategy):
             train = network.training and torch.is_grad_enabled() and labels is not None
             if not train:
                 return runner(input_ids, labels, train=False)
-            runner.loss_scale = 1.0 / strategy.lightning_module.trainer.accumulate_grad_batches
+            # The schedule runs backward itself: the loss carries the fp16 loss scale and 1 / accumulation.
+            scaler = getattr(strategy.precision_plugin, "scaler", None)
+            loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+            runner.loss_scale = loss_scale / strategy.lightning_module.trainer.accumulate_grad_batches
             # Lightning zeroes gradients between `training_step` and `backward`, but the schedule computes
             # them inside `training_step`: keep them aside and add them in `backward`.
             parameters = list(network.parameters())
@@ -398,6 +440,12 @@ class TP3DStrategy(ModelParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and not isinstance(scaler, ModelParallelGradScaler) and self.world_size > 1:
+            raise ValueError(
+                f"The precision plugin's {type(scaler).__name__} checks for inf/nan on each rank alone, so ranks would"
+                " disagree on skipping a step; use plugins=[TP3DPrecision('16-mixed')] from lightning_tp3d.precision."
+            )
         self.accelerator.setup(trainer)
         self._parallelize(self._network())
         _materialize_distributed_module(self.model, self.root_device)

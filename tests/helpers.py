@@ -110,11 +110,13 @@ def reference_run(
     clip_norm: float | None = None,
     validate_batch_size: int | None = None,
     build_network: Callable[[], nn.Module] = reference_network,
+    autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Plain single-process PyTorch: the same network, data order and AdamW as the module, no Lightning.
 
     Each step takes the next `global_batch_size` windows of the epoch's permutation, which is exactly the
-    union of what the dp ranks' DistributedSamplers hand out in that step."""
+    union of what the dp ranks' DistributedSamplers hand out in that step. With `autocast_dtype` the
+    forward runs under `torch.autocast("cpu", dtype=autocast_dtype)` (fp32 weights and optimizer)."""
     model = build_network()
     data = TokenDataModule(seq_len=SEQ_LEN, batch_size=global_batch_size, val_fraction=0.2)
     data.setup()
@@ -126,7 +128,8 @@ def reference_run(
         input_ids = torch.stack([sample["input_ids"] for sample in samples])
         labels = torch.stack([sample["labels"] for sample in samples])
         optimizer.zero_grad()
-        loss = model(input_ids, labels=labels)
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            loss = model(input_ids, labels=labels)
         loss.backward()
         if first_grads is None:
             first_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}

@@ -1,8 +1,8 @@
 """Checkpoints through Lightning's `ModelCheckpoint` / `ckpt_path=` flow with TP3DStrategy.
 
 * Exact resume at (tp, pp, dp) = (2, 2, 2) (FSDP2 over dp, 1F1B) with dropout and an LR warm-up: 8 steps
-  straight (saving asynchronously) vs a new Trainer resuming from the checkpoints of steps 4 (mid-epoch), 5 (last batch of an
-  epoch) and 7 (mid second epoch): identical losses and identical final weights (exact equality).
+  straight (saving asynchronously) vs a new Trainer resuming from the checkpoints of steps 4 (mid-epoch),
+  5 (last batch of an epoch) and 7 (mid second epoch): identical losses and final weights (exact equality).
 * Resharded resume: saved at (2, 2, 1), resumed at (1, 2, 2) (FSDP2), (1, 1, 2) and (2, 1, 1): the continued
   losses equal the uninterrupted single-process run within 1e-5 and every step sees the same samples.
 * Crash safety and clear errors: a process killed inside a save leaves the previous checkpoint whole;

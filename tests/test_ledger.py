@@ -49,7 +49,19 @@ def test_fsdp_divides_state_by_dp_and_recompute_keeps_layer_inputs():
     logits = 2 * 32 * config.vocab_size * 4
     layer = 32 * (4 * 64 + (6 * 16 + 5 * 64 + 4 * 128))
     assert replicate.activation_bytes == 4 * layer * 4 + logits
-    assert recompute.activation_bytes == (4 * 32 * 64 + layer) * 4 + logits
+    # the logits are freed before the layers' backward; then one layer is recomputed at a time
+    assert recompute.activation_bytes == 4 * 32 * 64 * 4 + max(logits, (layer - 32 * 64) * 4)
+    selective = training_ledger(config, layout, TrainingOptions(seq_len=32, precision="32-true",
+                                                                recompute="selective")).stages[0]
+    kept = layer - 32 * (64 + 4)  # the attention core's output and softmax statistics are dropped
+    assert selective.activation_bytes == 4 * kept * 4 + logits
+    every_other = training_ledger(config, layout, TrainingOptions(
+        seq_len=32, precision="32-true", recompute="full", recompute_num_layers=2)).stages[0]
+    assert every_other.activation_bytes == (2 * layer + 2 * 32 * 64) * 4 + max(logits, (layer - 32 * 64) * 4)
+    first_of_stage = training_ledger(config, ParallelLayout(pipeline_parallel_size=2), TrainingOptions(
+        seq_len=32, precision="32-true", recompute="full", recompute_method="block", recompute_num_layers=1))
+    assert [stage.num_layers for stage in first_of_stage.stages] == [2, 2]
+    assert first_of_stage.stages[0].activation_bytes == (layer + 32 * 64) * 4 + (layer - 32 * 64) * 4
 
 
 def test_serving_kv_cache_and_deploy_alignment_by_hand():

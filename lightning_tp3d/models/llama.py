@@ -81,13 +81,16 @@ class Attention(nn.Module):
         cos, sin = _rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device, q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        out = self.core_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """softmax(q k^T / sqrt(d) + causal mask) v, with each kv head shared by a group of q heads; the
+        part that selective recompute recomputes instead of keeping (`TP3DStrategy(recompute="selective")`)."""
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):

@@ -1,0 +1,83 @@
+"""Activation recompute: keep fewer activations in the forward pass and recompute them in backward.
+
+Granularity (Megatron's names):
+
+* `full`: a block keeps only its input; the whole block runs again during backward.
+* `selective`: only a part of each block is recomputed, by default the attention core
+  (`self_attn.core_attention`: grouped kv heads expanded, softmax(q k^T) v); its output and the
+  expanded k, v are not kept.
+
+Which blocks (`method`, `num_layers` = N):
+
+* `uniform`: every N-th block by global layer index (N = 1: every block), as torchtitan's layer option;
+* `block`: the first N blocks of each pipeline stage, as Megatron's block method (the earlier blocks of a
+  stage hold their activations longest).
+
+The block's (or the target's) `forward` is replaced on the instance by a non-reentrant
+`torch.utils.checkpoint` call, so parameter names, tensor-parallel plans, FSDP units and checkpoint
+keys are unchanged (no `_checkpoint_wrapped_module.` prefix). The random state is replayed, so
+dropout masks in the recompute equal the forward's. Apply after tensor parallelism and before FSDP.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DEFAULT_SELECTIVE_TARGET", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "apply_recompute",
+           "check_recompute_options", "recomputed_layers"]
+
+RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+DEFAULT_SELECTIVE_TARGET = "self_attn.core_attention"
+
+
+def check_recompute_options(granularity: str, method: str, num_layers: int) -> None:
+    if granularity not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"recompute={granularity!r} is not one of {list(RECOMPUTE_GRANULARITIES)}.")
+    if method not in RECOMPUTE_METHODS:
+        raise ValueError(f"recompute_method={method!r} is not one of {list(RECOMPUTE_METHODS)}.")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"recompute_num_layers must be a positive integer, got {num_layers!r}.")
+
+
+def recomputed_layers(stage_layers: Sequence[Sequence[int]], method: str, num_layers: int) -> list[int]:
+    """Global indices of the recomputed blocks, given the global layer indices of each stage."""
+    if method == "uniform":
+        return [layer for layers in stage_layers for layer in layers if layer % num_layers == 0]
+    return [layer for layers in stage_layers for layer in list(layers)[:num_layers]]
+
+
+def apply_recompute(blocks: Mapping[int, nn.Module], granularity: str,
+                    selective_target: str = DEFAULT_SELECTIVE_TARGET) -> None:
+    """Recompute `blocks` (global index -> block) at `granularity` (`full` or `selective`)."""
+    for index, block in blocks.items():
+        if granularity == "full":
+            block.forward = _checkpointed(block.forward)
+            continue
+        owner_path, _, name = selective_target.rpartition(".")
+        owner: Any = block
+        for part in filter(None, owner_path.split(".")):
+            owner = getattr(owner, part, None)
+        target = getattr(owner, name, None) if owner is not None else None
+        if target is None:
+            raise AttributeError(
+                f"selective recompute: block {index} ({type(block).__name__}) has no {selective_target!r}; pass"
+                " TP3DStrategy(recompute_target=...) naming the part of a block to recompute."
+            )
+        if isinstance(target, nn.Module):
+            target.forward = _checkpointed(target.forward)
+        else:
+            setattr(owner, name, _checkpointed(target))
+
+
+def _checkpointed(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    return recomputed

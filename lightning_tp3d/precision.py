@@ -1,0 +1,80 @@
+"""Mixed precision for model-parallel training: autocast plus, for fp16, a loss scaler all ranks agree on.
+
+A `GradScaler` decides per process whether the gradients it sees hold an inf or nan. Under tensor,
+pipeline or sharded data parallelism each process sees a different part of the gradients, so one rank
+would skip the optimizer step and keep the weights while the others step, and the shards of one
+parameter would disagree (or a collective inside the step would hang). `ModelParallelGradScaler`
+reduces the inf/nan flag with MAX over all ranks after unscaling, so every rank skips the same steps
+and holds the same scale. Lightning refuses `precision="16-mixed"` for model-parallel strategies (and
+turns it into bf16 on CPU); pass the plugin instead::
+
+    Trainer(strategy=TP3DStrategy(tensor_parallel_size=2), plugins=[TP3DPrecision("16-mixed")])
+
+`bf16-mixed` needs no scaler (`Trainer(precision="bf16-mixed")` or `TP3DPrecision("bf16-mixed")`).
+Under pipelining the schedule runs backward inside the training step, so `TP3DStrategy` multiplies the
+last stage's loss by the current scale itself.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.distributed.tensor import DTensor
+
+__all__ = ["ModelParallelGradScaler", "TP3DPrecision"]
+
+
+class ModelParallelGradScaler(torch.amp.GradScaler):
+    """`torch.amp.GradScaler` whose inf/nan check covers the gradients of every rank of `process_group`
+    (default: all ranks). Gradients may be DTensors (tp / FSDP shards) or plain tensors; each rank
+    unscales its local pieces, g <- g / scale, then the found-inf flags are all-reduced with MAX."""
+
+    def __init__(self, device: str = "cpu", process_group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
+        super().__init__(device=device, **kwargs)
+        self.process_group = process_group
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        local_grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                grad = parameter.grad
+                if grad is None:
+                    continue
+                grad = grad.to_local() if isinstance(grad, DTensor) else grad
+                if not allow_fp16 and grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients: keep fp32 parameters under 16-mixed.")
+                local_grads[(grad.device, grad.dtype)].append(grad)
+        with torch.no_grad():
+            for (device, _), grads in local_grads.items():
+                found_on_device = found_inf.to(device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_on_device, inv_scale.to(device))
+                found_inf.copy_(torch.maximum(found_inf, found_on_device.to(found_inf.device)))
+        if dist.is_initialized():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
+        return {found_inf.device: found_inf}
+
+
+class TP3DPrecision(MixedPrecision):
+    """Autocast in `"bf16-mixed"` or `"16-mixed"` (fp32 weights, gradients and optimizer state); the
+    latter with a `ModelParallelGradScaler`, whose state Lightning stores in checkpoints."""
+
+    def __init__(self, precision: Literal["16-mixed", "bf16-mixed"] = "bf16-mixed", device: str = "cpu",
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        if precision not in ("16-mixed", "bf16-mixed"):
+            raise ValueError(
+                f"TP3DPrecision(precision={precision!r}): use '16-mixed' or 'bf16-mixed' here; for '32-true' and"
+                " 'bf16-true' pass Trainer(precision=...)."
+            )
+        if scaler is None and precision == "16-mixed":
+            scaler = ModelParallelGradScaler(device=device)
+        super().__init__(precision, device, scaler)
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor the loss is multiplied by before backward (1.0 without a scaler)."""
+        return self.scaler.get_scale() if self.scaler is not None and self.scaler.is_enabled() else 1.0
