@@ -35,7 +35,8 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePath
 from typing import Any
@@ -153,7 +154,8 @@ def save_checkpoint(
                      partial / TRAINER_STATE_FILE)
     if asynchronous:
         return PendingSave(path, meta, dcp.async_save(tensors, checkpoint_id=partial, process_group=process_group))
-    dcp.save(tensors, checkpoint_id=partial)
+    with _single_process_notice_silenced():
+        dcp.save(tensors, checkpoint_id=partial, no_dist=not dist.is_initialized())
     pending = PendingSave(path, meta)
     pending.finish()
     return pending
@@ -254,6 +256,14 @@ def _plain(value: Any, where: str) -> Any:
     return repr(value)
 
 
+@contextmanager
+def _single_process_notice_silenced() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group exists, which is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -321,7 +331,8 @@ def load_checkpoint(
     for key in missing:
         del tensors[key]
     try:
-        dcp.load(tensors, checkpoint_id=path)
+        with _single_process_notice_silenced():
+            dcp.load(tensors, checkpoint_id=path, no_dist=not dist.is_initialized())
     except Exception as error:  # noqa: BLE001 - DCP's own errors name neither the file nor the cause
         raise CheckpointError(f"Reading the tensors of {path} failed ({type(error).__name__}: {error}).") from error
     saved = _load_weights_only(path / TRAINER_STATE_FILE)
@@ -423,7 +434,6 @@ def load_model_tensors(path: str | Path, names: Iterable[str] | None = None) -> 
         raise CheckpointError(f"Checkpoint {path} has no model tensor {unknown[0]!r}.")
     _check_shard_files(path, _read_index(path))
     tensors = {f"{MODEL_GROUP}.{name}": torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
-    with warnings.catch_warnings():  # DCP announces that it reads in one process, which is the point here
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+    with _single_process_notice_silenced():
         dcp.load(tensors, checkpoint_id=path, no_dist=True)
     return {key.removeprefix(MODEL_GROUP + "."): tensor for key, tensor in tensors.items()}

@@ -2,9 +2,14 @@
 
     tp3d plan deepseek-llm-7b --tp 8 --pp 4 --dp 2 --micro-batch-size 1 --num-microbatches 8
     tp3d plan path/to/config.json --tp 2 --json
+    tp3d export checkpoints/last.ckpt export/hf --dtype bf16 --deploy-tp 2 --max-shard-size 5GB
+    tp3d check export/hf --checkpoint checkpoints/last.ckpt
 
 `plan` validates a layout against a model (a preset or a Hugging Face config.json) and prints the
 per-rank memory ledger for training and the serving alignment, without starting any process.
+`export` merges a checkpoint of any layout into a Hugging Face folder (and deploy-TP shards); `check`
+compares an export's logits, as transformers computes them, with the checkpoint's (exit status 1 when
+they differ by more than the tolerance, naming the first layer over it).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from lightning_tp3d.checkpoint import CheckpointError
 from lightning_tp3d.config import MODEL_PRESETS, resolve_model_config
 from lightning_tp3d.layout import LayoutError, ParallelLayout
 from lightning_tp3d.ledger import PRECISIONS, TrainingOptions, serving_ledger, training_ledger
@@ -47,6 +53,7 @@ def _plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--serve-seq-len", type=int, default=None, help="serving sequence length (default: --seq-len)")
     plan.add_argument("--serve-num-seqs", type=int, default=1, help="concurrent serving sequences")
     plan.add_argument("--serve-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    plan.set_defaults(run=_run_plan)
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
@@ -93,14 +100,72 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_parser(subparsers: argparse._SubParsersAction) -> None:
+    export = subparsers.add_parser("export", help="merge a checkpoint into a Hugging Face folder")
+    export.add_argument("checkpoint", help="a lightning_tp3d checkpoint folder (any layout)")
+    export.add_argument("output", help="the Hugging Face folder to write")
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    export.add_argument("--deploy-tp", type=int, default=None, metavar="N",
+                        help="also write per-rank folders for an N-way tensor-parallel server")
+    export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    export.set_defaults(run=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from lightning_tp3d.export import export_checkpoint
+
+    result = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                               deploy_tp=args.deploy_tp)
+    print(f"wrote {result.folder}: {len(result.files)} file(s), {result.total_bytes:,} bytes of {args.dtype} tensors")
+    if result.deploy_folder is not None:
+        print(f"wrote {result.deploy_folder}: {args.deploy_tp} rank folders (vllm: --tensor-parallel-size"
+              f" {args.deploy_tp})")
+    return 0
+
+
+def _check_parser(subparsers: argparse._SubParsersAction) -> None:
+    check = subparsers.add_parser("check", help="compare an export's logits with its checkpoint's")
+    check.add_argument("export", help="a Hugging Face folder")
+    check.add_argument("--checkpoint", default=None,
+                       help="the checkpoint it came from (default: compare transformers with this package's decoder)")
+    check.add_argument("--tolerance", type=float, default=None, help="max |logit diff| (default by the export dtype)")
+    check.add_argument("--prompt-lengths", type=int, nargs="+", default=None)
+    check.add_argument("--no-transformers", action="store_true", help="load the export into this package's decoder")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.set_defaults(run=_run_check)
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lightning_tp3d import consistency
+
+    export = Path(args.export)
+    config = json.loads((export / "config.json").read_text())
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(config.get("torch_dtype", "float32"), "fp32")
+    tolerance = args.tolerance if args.tolerance is not None else consistency.TOLERANCES[dtype]
+    candidate = consistency.model_from_hf_folder(export, use_transformers=not args.no_transformers)
+    if args.checkpoint is not None:
+        reference = consistency.model_from_checkpoint(args.checkpoint)
+    else:
+        reference = consistency.model_from_hf_folder(export, use_transformers=False)
+    prompts = consistency.fixed_prompts(config["vocab_size"],
+                                        args.prompt_lengths or consistency.DEFAULT_PROMPT_LENGTHS)
+    report = consistency.compare_models(reference, candidate, prompts, tolerance)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+    return 0 if report.passed else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tp3d", description="3-D parallel training for Lightning")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _plan_parser(subparsers)
+    _export_parser(subparsers)
+    _check_parser(subparsers)
     args = parser.parse_args(argv)
     try:
-        return _run_plan(args)
-    except (LayoutError, ValueError, FileNotFoundError) as error:
+        return args.run(args)
+    except (LayoutError, ValueError, FileNotFoundError, KeyError, CheckpointError) as error:
         print(f"tp3d {args.command}: error: {error}", file=sys.stderr)
         return 2
 

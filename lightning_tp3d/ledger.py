@@ -45,6 +45,7 @@ __all__ = [
     "TrainingLedger",
     "TrainingOptions",
     "deploy_options",
+    "deploy_problem",
     "serving_ledger",
     "training_ledger",
 ]
@@ -197,7 +198,8 @@ class ServingLedger:
         return values
 
 
-def _deploy_reason(config: ModelConfig, tp: int) -> str:
+def deploy_problem(config: ModelConfig, tp: int) -> str | None:
+    """Why a `tp`-way tensor-parallel server cannot split `config` (None: it can)."""
     if config.num_attention_heads % tp:
         return f"{tp} does not divide num_attention_heads={config.num_attention_heads}"
     kv = config.num_key_value_heads
@@ -205,7 +207,7 @@ def _deploy_reason(config: ModelConfig, tp: int) -> str:
         return f"{tp} neither divides nor is a multiple of num_key_value_heads={kv}"
     if config.intermediate_size % tp:
         return f"{tp} does not divide intermediate_size={config.intermediate_size}"
-    return "ok"
+    return None
 
 
 def deploy_options(config: ModelConfig, dtype_bytes: int, candidates: tuple[int, ...] = (1, 2, 4, 8, 16)):
@@ -213,9 +215,9 @@ def deploy_options(config: ModelConfig, dtype_bytes: int, candidates: tuple[int,
     options = []
     h, d = config.hidden_size, config.head_dim
     for tp in candidates:
-        reason = _deploy_reason(config, tp)
-        if reason != "ok":
-            options.append(DeployOption(tp, False, reason))
+        problem = deploy_problem(config, tp)
+        if problem is not None:
+            options.append(DeployOption(tp, False, problem))
             continue
         kv_heads = max(1, config.num_key_value_heads // tp)
         layer = (2 * h * config.num_attention_heads * d + 3 * h * config.intermediate_size) // tp
@@ -223,7 +225,7 @@ def deploy_options(config: ModelConfig, dtype_bytes: int, candidates: tuple[int,
         vocab = config.vocab_size * h // tp * (1 if config.tie_word_embeddings else 2)
         weights = (config.num_hidden_layers * layer + vocab + h) * dtype_bytes
         kv_per_token = 2 * config.num_hidden_layers * kv_heads * d * dtype_bytes
-        options.append(DeployOption(tp, True, reason, weights, kv_per_token))
+        options.append(DeployOption(tp, True, "ok", weights, kv_per_token))
     return options
 
 

@@ -55,6 +55,7 @@ from lightning_tp3d.checkpoint import (
     save_checkpoint,
 )
 from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosition
+from lightning_tp3d.export import load_hf_weights
 from lightning_tp3d.layout import LayoutError, ParallelLayout
 from lightning_tp3d.mesh import build_device_mesh
 from lightning_tp3d.parallel.data import DATA_PARALLEL_MODES, all_reduce_gradients, apply_fsdp
@@ -144,6 +145,8 @@ class TP3DStrategy(ModelParallelStrategy):
         recompute_method / recompute_num_layers: `"uniform"` recomputes every N-th block (global index),
             `"block"` the first N blocks of each pipeline stage.
         recompute_target: attribute path inside a block of the method or module `"selective"` recomputes.
+        pretrained: a Hugging Face folder (safetensors) whose weights initialise the network after it is
+            sharded, each rank reading only its own slices (a resumed checkpoint then overrides them).
 
     Mixed precision: `Trainer(precision="bf16-mixed" | "bf16-true")`, or for fp16 with a loss scaler that
     every rank agrees on, `Trainer(plugins=[TP3DPrecision("16-mixed")])` (see `lightning_tp3d.precision`).
@@ -173,6 +176,7 @@ class TP3DStrategy(ModelParallelStrategy):
         recompute_method: Literal["uniform", "block"] = "uniform",
         recompute_num_layers: int = 1,
         recompute_target: str = DEFAULT_SELECTIVE_TARGET,
+        pretrained: str | Path | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -218,6 +222,11 @@ class TP3DStrategy(ModelParallelStrategy):
         self._resume_position: SamplePosition | None = None
         self._async_checkpoint = async_checkpoint
         self._recompute = (recompute, recompute_method, recompute_num_layers, recompute_target)
+        self._pretrained = Path(pretrained) if pretrained is not None else None
+        if self._pretrained is not None and not (self._pretrained / "config.json").is_file():
+            raise FileNotFoundError(
+                f"pretrained={str(pretrained)!r} is not a Hugging Face folder (no config.json in it)."
+            )
         self._checkpoint_group: torch.distributed.ProcessGroup | None = None
         self._pending_save: PendingSave | None = None
 
@@ -312,6 +321,11 @@ class TP3DStrategy(ModelParallelStrategy):
         return self.device_mesh[name].get_group()
 
     # ------------------------------------------------------------------ model
+    @property
+    def network(self) -> nn.Module:
+        """The LightningModule's network (`model_attribute`), sharded once the strategy is set up."""
+        return self._network()
+
     def _network(self) -> nn.Module:
         network = _resolve_attribute(self.lightning_module, self._model_attribute, "model_attribute")
         if not isinstance(network, nn.Module):
@@ -447,8 +461,12 @@ class TP3DStrategy(ModelParallelStrategy):
                 " disagree on skipping a step; use plugins=[TP3DPrecision('16-mixed')] from lightning_tp3d.precision."
             )
         self.accelerator.setup(trainer)
-        self._parallelize(self._network())
+        network = self._network()
+        first_setup = network is not self._parallelized_network  # `validate` after `fit` keeps trained weights
+        self._parallelize(network)
         _materialize_distributed_module(self.model, self.root_device)
+        if first_setup and self._pretrained is not None:
+            load_hf_weights(network, self._pretrained)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()

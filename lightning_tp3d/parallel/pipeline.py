@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
@@ -270,6 +271,8 @@ class PipelineRunner:
     def _broadcast_from_last_stage(self, value: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor:
         if value is None:
             value = torch.empty(shape, dtype=torch.float32, device=self.device)
+        if isinstance(value, AsyncCollectiveTensor):  # the tp-gathered logits: wait, return a plain tensor
+            value = value.wait()
         value = value.detach().float().contiguous()
         dist.broadcast(value, src=self._last_stage_src, group=self.pp_group)
         return value

@@ -1,0 +1,162 @@
+"""Callbacks that carry a run to deployment: merged Hugging Face export and the train-vs-deploy check.
+
+Both work at any layout with `TP3DStrategy`: the live model is saved as a sharded checkpoint (every
+rank writes its own shards), then rank 0 merges it into a Hugging Face folder in one process.
+
+Example usage::
+
+    trainer = Trainer(strategy=TP3DStrategy(tensor_parallel_size=2, pipeline_parallel_size=2),
+                      callbacks=[ExportCallback("export/hf", dtype="bf16", deploy_tp=2),
+                                 ConsistencyCheck("export/check")])
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_tp3d.consistency import (
+    DEFAULT_PROMPT_LENGTHS,
+    TOLERANCES,
+    ConsistencyReport,
+    compare_outputs,
+    fixed_prompts,
+    model_from_hf_folder,
+    run_with_layer_outputs,
+)
+from lightning_tp3d.export import ExportResult, export_checkpoint
+
+__all__ = ["ConsistencyCheck", "ExportCallback"]
+
+
+def _export_live_model(trainer: L.Trainer, output: Path, **options: Any) -> ExportResult | None:
+    """Save the live model as a sharded checkpoint next to `output`, merge it on rank 0, remove it."""
+    checkpoint = output.with_name(output.name + ".source.ckpt")
+    trainer.save_checkpoint(checkpoint)
+    finish = getattr(trainer.strategy, "finish_pending_save", None)
+    if finish is not None:
+        finish()
+    result = export_checkpoint(checkpoint, output, **options) if trainer.is_global_zero else None
+    trainer.strategy.barrier("export")
+    if trainer.is_global_zero:
+        shutil.rmtree(checkpoint)
+    return result
+
+
+class ExportCallback(Callback):
+    """Write a Hugging Face folder (and optionally deploy-TP shards) at the end of fit, and with every
+    `every_n_checkpoints`-th checkpoint `ModelCheckpoint` saves (into `<output>/step-<global step>`).
+
+    Args:
+        output: the folder of the final export.
+        dtype / max_shard_size / deploy_tp: as `tp3d export`.
+        every_n_checkpoints: also export every n-th saved checkpoint (None: only at the end).
+    """
+
+    def __init__(self, output: str | Path, dtype: str = "fp32", max_shard_size: str | int = "5GB",
+                 deploy_tp: int | None = None, every_n_checkpoints: int | None = None) -> None:
+        self.output = Path(output)
+        self.options = {"dtype": dtype, "max_shard_size": max_shard_size, "deploy_tp": deploy_tp}
+        self.every_n_checkpoints = every_n_checkpoints
+        self.result: ExportResult | None = None
+        self._saves = 0
+        self._exported_saves = 0
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._saves += 1
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        # ModelCheckpoint runs after the other callbacks: a save of the previous step is complete now.
+        due = self.every_n_checkpoints and self._saves // self.every_n_checkpoints > self._exported_saves
+        saved = getattr(trainer.checkpoint_callback, "_last_checkpoint_saved", "")
+        if not due or not saved:
+            return
+        self._exported_saves = self._saves // self.every_n_checkpoints
+        finish = getattr(trainer.strategy, "finish_pending_save", None)
+        if finish is not None:
+            finish()
+        if trainer.is_global_zero:
+            export_checkpoint(saved, self.output / f"step-{trainer.global_step}", **self.options)
+        trainer.strategy.barrier("export")
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.result = _export_live_model(trainer, self.output, **self.options)
+        if self.result is not None:
+            rank_zero_info(f"Exported {self.result.folder} ({len(self.result.files)} file(s)).")
+
+
+class ConsistencyCheck(Callback):
+    """At the end of fit, compare the live parallel model with its merged export loaded in one process.
+
+    Fixed prompts go through the live model (every rank takes part: tensor and pipeline parallel forward)
+    and through the export loaded by transformers (or this package's decoder without transformers). The
+    report (max |logit diff|, KL, each decoder layer's max |diff|, the first layer over tolerance) is
+    logged as `consistency/*` and kept in `self.report`; over the tolerance it raises (or warns).
+
+    Args:
+        output: folder of the export that is checked (kept afterwards).
+        dtype: export dtype; the default tolerance follows it (fp32 1e-5, bf16 1e-2, fp16 1e-3).
+        tolerance: max |logit diff| allowed.
+        prompt_lengths: lengths of the fixed prompts.
+        use_transformers: load the export with transformers when it is installed.
+        raise_on_failure: raise `RuntimeError` when the check fails (else a warning).
+    """
+
+    def __init__(self, output: str | Path, dtype: str = "fp32", tolerance: float | None = None,
+                 prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS, use_transformers: bool = True,
+                 raise_on_failure: bool = True) -> None:
+        self.output = Path(output)
+        self.dtype = dtype
+        self.tolerance = TOLERANCES[dtype] if tolerance is None else tolerance
+        self.prompt_lengths = tuple(prompt_lengths)
+        self.use_transformers = use_transformers
+        self.raise_on_failure = raise_on_failure
+        self.report: ConsistencyReport | None = None
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        network = trainer.strategy.network
+        prompts = [prompt.to(pl_module.device) for prompt in fixed_prompts(network.config.vocab_size,
+                                                                           self.prompt_lengths)]
+        was_training = network.training
+        network.eval()
+        live = _gather_to_rank_zero(run_with_layer_outputs(network, prompts), trainer)
+        network.train(was_training)
+        _export_live_model(trainer, self.output, dtype=self.dtype)
+        if trainer.is_global_zero:
+            exported = model_from_hf_folder(self.output, use_transformers=self.use_transformers)
+            self.report = compare_outputs(live, run_with_layer_outputs(exported, [p.cpu() for p in prompts]),
+                                          self.tolerance)
+            if trainer.logger is not None:
+                trainer.logger.log_metrics({"consistency/max_abs_diff": self.report.max_abs_diff,
+                                            "consistency/kl": self.report.kl}, step=trainer.global_step)
+            rank_zero_info(self.report.summary())
+        failure = trainer.strategy.broadcast(None if self.report is None or self.report.passed
+                                             else self.report.summary())
+        if failure is not None:
+            if self.raise_on_failure:
+                raise RuntimeError(f"Train-vs-deploy check of {self.output}: {failure}")
+            rank_zero_warn(failure)
+
+
+def _gather_to_rank_zero(outputs: tuple[list[torch.Tensor], list[dict[int, torch.Tensor]]],
+                         trainer: L.Trainer) -> tuple[list[torch.Tensor], list[dict[int, torch.Tensor]]]:
+    """Each pipeline stage saw its own layers: rank 0 gets the union (logits are on every rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return outputs
+    gathered: list[Any] | None = [None] * dist.get_world_size() if trainer.is_global_zero else None
+    dist.gather_object(outputs[1], gathered, dst=0)
+    if not trainer.is_global_zero:
+        return outputs
+    layers = [dict() for _ in outputs[1]]
+    for rank_layers in gathered:
+        for merged, prompt_layers in zip(layers, rank_layers):
+            merged.update(prompt_layers)
+    return outputs[0], layers
