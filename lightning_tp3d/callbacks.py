@@ -32,6 +32,7 @@ from lightning_tp3d.consistency import (
     model_from_hf_folder,
     run_with_layer_outputs,
 )
+from lightning_tp3d.checkpoint import read_meta
 from lightning_tp3d.export import ExportResult, export_checkpoint
 
 __all__ = ["ConsistencyCheck", "ExportCallback"]
@@ -53,7 +54,7 @@ def _export_live_model(trainer: L.Trainer, output: Path, **options: Any) -> Expo
 
 class ExportCallback(Callback):
     """Write a Hugging Face folder (and optionally deploy-TP shards) at the end of fit, and with every
-    `every_n_checkpoints`-th checkpoint `ModelCheckpoint` saves (into `<output>/step-<global step>`).
+    `every_n_checkpoints`-th checkpoint `ModelCheckpoint` saves (into `<output>-step-<its global step>`).
 
     Args:
         output: the folder of the final export.
@@ -84,7 +85,8 @@ class ExportCallback(Callback):
         if finish is not None:
             finish()
         if trainer.is_global_zero:
-            export_checkpoint(saved, self.output / f"step-{trainer.global_step}", **self.options)
+            step = read_meta(saved).global_step
+            export_checkpoint(saved, self.output.with_name(f"{self.output.name}-step-{step}"), **self.options)
         trainer.strategy.barrier("export")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

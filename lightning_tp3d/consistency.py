@@ -67,7 +67,8 @@ class ConsistencyReport:
                 "first_bad_layer": self.first_bad_layer, "layer_max_abs_diff": self.layer_max_abs_diff}
 
 
-def fixed_prompts(vocab_size: int, lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS, seed: int = 1234) -> list[torch.Tensor]:
+def fixed_prompts(vocab_size: int, lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS,
+                  seed: int = 1234) -> list[torch.Tensor]:
     """Token-id prompts of the given lengths, shape [1, length], the same on every call and rank."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (1, length), generator=generator) for length in lengths]

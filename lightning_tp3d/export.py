@@ -257,7 +257,8 @@ class _HFFolder:
             raise KeyError(f"{self.folder} has no tensor {name!r}.")
         file_name = self.weight_map[name]
         if file_name not in self._handles:
-            self._handles[file_name] = self._stack.enter_context(safe_open(str(self.folder / file_name), framework="pt"))
+            opened = safe_open(str(self.folder / file_name), framework="pt")
+            self._handles[file_name] = self._stack.enter_context(opened)
         return self._handles[file_name]
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -292,7 +293,9 @@ def write_deploy_shards(hf_folder: str | Path, tensor_parallel_size: int, output
     hf_folder = Path(hf_folder)
     config = ModelConfig.from_json(hf_folder / "config.json")
     _check_deploy_tp(config, tensor_parallel_size)
-    output = Path(output) if output is not None else hf_folder.with_name(f"{hf_folder.name}-deploy-tp{tensor_parallel_size}")
+    if output is None:
+        output = hf_folder.with_name(f"{hf_folder.name}-deploy-tp{tensor_parallel_size}")
+    output = Path(output)
     partial = output.with_name(output.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     kv_replicated = tensor_parallel_size > config.num_key_value_heads
@@ -302,7 +305,8 @@ def write_deploy_shards(hf_folder: str | Path, tensor_parallel_size: int, output
         for rank in range(tensor_parallel_size):
             folder = partial / f"rank-{rank:02d}"
             folder.mkdir(parents=True)
-            shapes = [(name, _rank_piece_shape(hf, name, tensor_parallel_size, config, kv_replicated)) for name in names]
+            shapes = [(name, _rank_piece_shape(hf, name, tensor_parallel_size, config, kv_replicated))
+                      for name in names]
             _write_safetensors(folder, shapes, _SAFETENSORS_TORCH_DTYPES[dtype],
                                lambda name: _rank_piece(hf, name, rank, tensor_parallel_size, config, kv_replicated),
                                parse_size(max_shard_size),
@@ -366,7 +370,8 @@ def load_hf_weights(network: nn.Module, hf_folder: str | Path) -> int:
             view = hf.slice(name)
             if tuple(view.get_shape()) != tuple(target.shape):
                 raise ValueError(
-                    f"{name}: {hf_folder} holds shape {list(view.get_shape())}, the network expects {list(target.shape)}."
+                    f"{name}: {hf_folder} holds shape {list(view.get_shape())}, the network expects"
+                    f" {list(target.shape)}."
                 )
             if isinstance(target, DTensor):
                 local_shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,

@@ -1,6 +1,7 @@
 """Train -> deploy: merged Hugging Face export, deploy-TP shards, import, consistency checks.
 
-* A (2, 2, 2) run exports through `ExportCallback` and checks itself with `ConsistencyCheck`: the export
+* A (2, 2, 2) run exports through `ExportCallback` (at the end and every 2nd checkpoint) and checks itself
+  with `ConsistencyCheck`: the export
   loads in `transformers.AutoModelForCausalLM.from_pretrained` with no glue code and its logits equal the
   live parallel model's within 1e-5 (fp32).
 * A Hugging Face folder written by transformers is imported at (2, 2, 1) (`TP3DStrategy(pretrained=...)`):
@@ -24,6 +25,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file, save_file
 
 from lightning_tp3d import MODEL_PRESETS, ModelConfig, ParallelLayout, TP3DStrategy
@@ -54,8 +56,10 @@ def run_export_world(directory: str) -> dict[str, Any]:
     directory = Path(directory)
     check = ConsistencyCheck(directory / "check")
     strategy = TP3DStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2)
+    every_step = ModelCheckpoint(dirpath=directory / "checkpoints", every_n_train_steps=1, save_top_k=-1)
+    export = ExportCallback(directory / "hf", deploy_tp=2, every_n_checkpoints=2)
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, max_steps=3,
-                                         callbacks=[ExportCallback(directory / "hf", deploy_tp=2), check]))
+                                         enable_checkpointing=True, callbacks=[export, check, every_step]))
     module = CausalLMModule("tiny", learning_rate=LEARNING_RATE)
     trainer.fit(module, TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // 2))
     trainer.save_checkpoint(directory / "final.ckpt")
@@ -122,6 +126,14 @@ def test_export_loads_in_transformers_and_matches_the_live_model(exported):
             assert (live - served).abs().max().item() <= TOLERANCE
 
 
+def test_every_second_checkpoint_is_exported(exported):
+    _, directory = exported
+    assert sorted(path.name for path in directory.iterdir() if path.name.startswith("hf")) == [
+        "hf", "hf-deploy-tp2", "hf-step-2", "hf-step-2-deploy-tp2"]
+    step2 = _read_folder(directory / "hf-step-2")
+    assert step2.keys() == _read_folder(directory / "hf").keys()
+
+
 def test_consistency_callback_reports_the_live_vs_export_difference(exported):
     report = exported[0][0]["report"]
     assert report["passed"] and report["max_abs_diff"] <= TOLERANCE and report["kl"] <= TOLERANCE
@@ -133,7 +145,8 @@ def test_consistency_callback_reports_the_live_vs_export_difference(exported):
 def test_deploy_shards_concatenate_back_to_the_merged_weights(exported, tmp_path):
     _, directory = exported
     merged = _read_folder(directory / "hf")
-    for tp, folder in [(2, directory / "hf-deploy-tp2"), (4, write_deploy_shards(directory / "hf", 4, tmp_path / "tp4"))]:
+    tp4 = write_deploy_shards(directory / "hf", 4, tmp_path / "tp4")
+    for tp, folder in [(2, directory / "hf-deploy-tp2"), (4, tp4)]:
         sharding = json.loads((folder / "sharding.json").read_text())
         assert sharding["tensor_parallel_size"] == tp and sharding["kv_heads_replicated"] == (tp > 2)
         ranks = [_read_folder(folder / f"rank-{rank:02d}") for rank in range(tp)]
@@ -157,7 +170,8 @@ def test_invalid_deploy_tp_is_refused(exported, capsys):
                                          r" num_attention_heads=4"):
         write_deploy_shards(directory / "hf", 3)
     assert tp3d(["export", str(directory / "final.ckpt"), str(directory / "unused"), "--deploy-tp", "8"]) == 2
-    assert "--deploy-tp 8 is not valid for this model: 8 does not divide num_attention_heads=4" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "--deploy-tp 8 is not valid for this model: 8 does not divide num_attention_heads=4" in error
 
 
 def test_check_names_the_first_corrupted_layer(exported, tmp_path, capsys):
@@ -171,7 +185,8 @@ def test_check_names_the_first_corrupted_layer(exported, tmp_path, capsys):
     tensors["model.layers.2.self_attn.o_proj.weight"][0, 0] += 0.5
     save_file(tensors, corrupted / "model.safetensors", metadata={"format": "pt"})
     assert tp3d(["check", str(corrupted), "--checkpoint", str(directory / "final.ckpt")]) == 1
-    assert "consistency FAILED" in (out := capsys.readouterr().out) and "first layer over tolerance: model.layers.2" in out
+    out = capsys.readouterr().out
+    assert "consistency FAILED" in out and "first layer over tolerance: model.layers.2" in out
 
 
 # ---------------------------------------------------------------------- import
