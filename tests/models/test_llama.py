@@ -42,8 +42,8 @@ def test_logits_equal_transformers_llama(tied):
 def test_hugging_face_parameter_names_and_global_layer_keys():
     names = set(LlamaForCausalLM(CONFIG).state_dict())
     assert {"model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight",
-            "model.layers.0.mlp.gate_proj.weight", "model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
-            "model.norm.weight", "lm_head.weight"} <= names
+            "model.layers.0.mlp.gate_proj.weight", "model.layers.1.input_layernorm.weight",
+            "model.layers.1.post_attention_layernorm.weight", "model.norm.weight", "lm_head.weight"} <= names
     assert sum(p.numel() for p in LlamaForCausalLM(CONFIG).parameters()) == CONFIG.num_parameters()
 
 
