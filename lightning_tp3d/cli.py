@@ -4,9 +4,14 @@
     tp3d plan path/to/config.json --tp 2 --json
     tp3d export checkpoints/last.ckpt export/hf --dtype bf16 --deploy-tp 2 --max-shard-size 5GB
     tp3d check export/hf --checkpoint checkpoints/last.ckpt
+    tp3d plan deepseek-llm-67b --serve --gpu-memory 80GiB --max-model-len 4096 --deploy-tp 4 8
+    torchrun --nproc-per-node 8 -m lightning_tp3d.cli doctor --tp 2 --pp 2
 
 `plan` validates a layout against a model (a preset or a Hugging Face config.json) and prints the
 per-rank memory ledger for training and the serving alignment, without starting any process.
+`plan --serve` sizes a server: weights and KV cache per GPU for each deploy tensor-parallel size, the
+concurrent sequences that fit and the vLLM command line. `doctor` measures the launched world's links
+per mesh dimension and warns with fixes.
 `export` merges a checkpoint of any layout into a Hugging Face folder (and deploy-TP shards); `check`
 compares an export's logits, as transformers computes them, with the checkpoint's (exit status 1 when
 they differ by more than the tolerance, naming the first layer over it).
@@ -18,11 +23,13 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from lightning_tp3d.checkpoint import CheckpointError
-from lightning_tp3d.config import MODEL_PRESETS, resolve_model_config
+from lightning_tp3d.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.layout import LayoutError, ParallelLayout
-from lightning_tp3d.ledger import PRECISIONS, TrainingOptions, serving_ledger, training_ledger
+from lightning_tp3d.ledger import PRECISIONS, TrainingOptions, serving_ledger, serving_plan, training_ledger
+from lightning_tp3d.units import parse_size
 
 __all__ = ["main"]
 
@@ -53,12 +60,46 @@ def _plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--serve-seq-len", type=int, default=None, help="serving sequence length (default: --seq-len)")
     plan.add_argument("--serve-num-seqs", type=int, default=1, help="concurrent serving sequences")
     plan.add_argument("--serve-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    serve = plan.add_argument_group("serving plan (--serve)")
+    serve.add_argument("--serve", action="store_true", help="print the serving plan instead of the training ledger")
+    serve.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: --seq-len)")
+    serve.add_argument("--deploy-tp", type=int, nargs="+", default=None, metavar="N",
+                       help="deploy tensor-parallel sizes to plan (default: every valid one of 1 2 4 8 16)")
+    serve.add_argument("--model-path", default=None, help="model name or folder in the vLLM command (default: MODEL)")
     plan.set_defaults(run=_run_plan)
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
+def _run_serve_plan(args: argparse.Namespace, config: ModelConfig) -> int:
+    plans = serving_plan(config, args.model_path or args.model, parse_size(args.gpu_memory),
+                         args.gpu_memory_utilization, args.max_model_len or args.seq_len, args.serve_dtype,
+                         tuple(args.deploy_tp) if args.deploy_tp else None)
+    if args.json:
+        print(json.dumps({"model": config.to_dict(), "serving_plan": [
+            {**asdict(plan), "fits": plan.fits} for plan in plans]}, indent=2))
+        return 0
+    tokens = args.max_model_len or args.seq_len
+    print(f"serving {args.model} in {args.serve_dtype} on GPUs of {parse_size(args.gpu_memory) / _GIB:.1f} GiB at"
+          f" utilization {args.gpu_memory_utilization}, sequences of {tokens} tokens")
+    print(f"{'deploy tp':>9} {'weights GiB':>12} {'KV B/token':>11} {'KV GiB/seq':>11} {'cache GiB':>10} {'seqs':>6}")
+    for plan in plans:
+        print(f"{plan.tensor_parallel_size:>9} {plan.weight_bytes_per_gpu / _GIB:>12.2f}"
+              f" {plan.kv_bytes_per_token_per_gpu:>11,} {plan.kv_bytes_per_sequence_per_gpu / _GIB:>11.3f}"
+              f" {plan.kv_budget_bytes_per_gpu / _GIB:>10.2f} {plan.max_num_seqs:>6}"
+              + ("" if plan.fits else "  does not fit"))
+    print("per GPU; the cache must also leave room for vLLM's profiling activations, so the counts are upper bounds")
+    for plan in plans:
+        if plan.fits:
+            print(plan.vllm_command)
+    return 0
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     config = resolve_model_config(args.model)
+    if args.serve:
+        return _run_serve_plan(args, config)
     layout = ParallelLayout(
         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches or args.pp,
@@ -156,12 +197,54 @@ def _run_check(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _doctor_parser(subparsers: argparse._SubParsersAction) -> None:
+    doctor = subparsers.add_parser("doctor", help="measure each mesh dimension's links (run under torchrun)")
+    doctor.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    doctor.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    doctor.add_argument("--dp", default="auto", help="data parallel size (default: world / (tp x pp))")
+    doctor.add_argument("--sizes", nargs="+", default=["4KiB", "1MiB", "16MiB"], help="message sizes")
+    doctor.add_argument("--iterations", type=int, default=5)
+    doctor.add_argument("--backend", default=None, help="default: nccl with CUDA, gloo otherwise")
+    doctor.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.set_defaults(run=_run_doctor)
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_tp3d.collectives import enable_collective_recording
+    from lightning_tp3d.doctor import run_doctor
+    from lightning_tp3d.mesh import build_device_mesh
+
+    cuda = torch.cuda.is_available()
+    timeout = timedelta(seconds=args.timeout)
+    if not dist.is_initialized():
+        enable_collective_recording()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(args.backend or ("nccl" if cuda else "gloo"), timeout=timeout)
+    layout = ParallelLayout.resolve(world_size=dist.get_world_size(), tensor_parallel_size=args.tp,
+                                    pipeline_parallel_size=args.pp,
+                                    data_parallel_size=args.dp if args.dp == "auto" else int(args.dp))
+    mesh = build_device_mesh(layout, "cuda" if cuda else "cpu", timeout)
+    report = run_doctor(layout, mesh, [parse_size(size) for size in args.sizes], args.iterations)
+    if dist.get_rank() == 0:
+        print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tp3d", description="3-D parallel training for Lightning")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _plan_parser(subparsers)
     _export_parser(subparsers)
     _check_parser(subparsers)
+    _doctor_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import shutil
 import struct
 from collections.abc import Callable, Iterator
@@ -43,6 +42,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from lightning_tp3d.checkpoint import CheckpointError, load_model_tensors, model_tensor_shapes, read_meta
 from lightning_tp3d.config import ModelConfig
 from lightning_tp3d.ledger import deploy_problem
+from lightning_tp3d.units import parse_size
 
 __all__ = [
     "EXPORT_DTYPES",
@@ -53,14 +53,11 @@ __all__ = [
     "hf_tensor_names",
     "load_hf_weights",
     "open_hf_folder",
-    "parse_size",
     "write_deploy_shards",
 ]
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-               "GIB": 2**30, "TIB": 2**40}
 _COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 _KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
@@ -75,16 +72,6 @@ class ExportResult:
     files: tuple[str, ...]
     total_bytes: int
     deploy_folder: Path | None = None
-
-
-def parse_size(size: str | int) -> int:
-    """`"5GB"` -> 5 x 10^9 bytes (`GB` decimal as in Hugging Face, `GiB` binary); ints are bytes."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)\s*", size, flags=re.IGNORECASE)
-    if match is None or match.group(2).upper() not in _SIZE_UNITS:
-        raise ValueError(f"max_shard_size={size!r} is not a size like '5GB', '500MB' or '2GiB'.")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
 
 
 def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:

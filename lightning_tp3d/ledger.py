@@ -26,6 +26,10 @@ dim (a d = h), V vocab, L layers, t tp, s sequence length, b micro-batch.
   GPipe all m; without pipelining one.
 * Serving KV cache: 2 x L x k x d x bytes per token, split over the deploy tp size (kv heads are
   replicated when tp exceeds k, as vLLM does).
+* Serving plan, per GPU at deploy tp N: the cache budget is memory x utilization - weights, and the
+  concurrent sequences of `max_model_len` tokens that fit are budget / (kv per token per GPU x
+  max_model_len). vLLM also keeps the peak activations of its profiling pass out of the cache, so this
+  is an upper bound.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ __all__ = [
     "StageLedger",
     "TrainingLedger",
     "TrainingOptions",
+    "ServePlan",
     "deploy_options",
     "deploy_problem",
+    "serving_plan",
     "serving_ledger",
     "training_ledger",
 ]
@@ -242,3 +248,65 @@ def serving_ledger(config: ModelConfig, seq_len: int, num_seqs: int = 1, dtype: 
         kv_bytes_per_sequence=per_token * seq_len, kv_bytes_total=per_token * seq_len * num_seqs,
         options=deploy_options(config, element),
     )
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """One deploy tensor-parallel size of a serving plan (bytes per GPU)."""
+
+    tensor_parallel_size: int
+    weight_bytes_per_gpu: int
+    kv_bytes_per_token_per_gpu: int
+    kv_bytes_per_sequence_per_gpu: int
+    kv_budget_bytes_per_gpu: int
+    max_num_seqs: int
+    vllm_command: str
+
+    @property
+    def fits(self) -> bool:
+        return self.max_num_seqs > 0
+
+
+def serving_plan(
+    config: ModelConfig,
+    model_path: str,
+    gpu_memory_bytes: int,
+    gpu_memory_utilization: float = 0.9,
+    max_model_len: int = 4096,
+    dtype: str = "bf16",
+    tensor_parallel_sizes: tuple[int, ...] | None = None,
+) -> list[ServePlan]:
+    """Weights, KV cache and concurrent sequences per GPU for each deploy tp size, with the vLLM command.
+
+    Without `tensor_parallel_sizes` every valid size of 1, 2, 4, 8, 16 is planned; a requested size the
+    model cannot be split into is refused with the reason.
+    """
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPE_BYTES)}.")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
+    if max_model_len < 1 or gpu_memory_bytes < 1:
+        raise ValueError(f"max_model_len and the GPU memory must be positive, got {max_model_len} and"
+                         f" {gpu_memory_bytes}.")
+    element = _DTYPE_BYTES[dtype]
+    if tensor_parallel_sizes is not None:
+        for tp in tensor_parallel_sizes:
+            problem = deploy_problem(config, tp)
+            if problem is not None:
+                raise LayoutError(f"deploy tensor_parallel_size={tp} is not valid for this model: {problem}.")
+    options = deploy_options(config, element, tuple(tensor_parallel_sizes or (1, 2, 4, 8, 16)))
+    vllm_dtype = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}.get(
+        dtype, "float32")
+    plans = []
+    for option in options:
+        if not option.valid:
+            continue
+        per_sequence = option.kv_bytes_per_token_per_gpu * max_model_len
+        budget = int(gpu_memory_bytes * gpu_memory_utilization) - option.weight_bytes_per_gpu
+        max_num_seqs = max(0, budget // per_sequence)
+        command = (f"vllm serve {model_path} --tensor-parallel-size {option.tensor_parallel_size} --dtype {vllm_dtype}"
+                   f" --gpu-memory-utilization {gpu_memory_utilization} --max-model-len {max_model_len}"
+                   f" --max-num-seqs {max_num_seqs}")
+        plans.append(ServePlan(option.tensor_parallel_size, option.weight_bytes_per_gpu,
+                               option.kv_bytes_per_token_per_gpu, per_sequence, budget, max_num_seqs, command))
+    return plans

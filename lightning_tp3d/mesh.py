@@ -7,20 +7,30 @@ is the layout's: `rank = (pp x dp_size + dp) x tp_size + tp`.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_tp3d.collectives import mesh_group_options
 from lightning_tp3d.layout import LayoutError, ParallelLayout
 
 __all__ = ["build_device_mesh"]
 
 
-def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
-    """A 3-D mesh with dimensions named ("pp", "dp", "tp"); needs an initialised default process group."""
+def build_device_mesh(layout: ParallelLayout, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
+    """A 3-D mesh with dimensions named ("pp", "dp", "tp"); needs an initialised default process group.
+
+    With `timeout`, every dimension's groups use it (torch otherwise gives mesh groups its 30-minute
+    default, whatever the default group's timeout is)."""
     if not dist.is_initialized():
         raise RuntimeError("build_device_mesh needs torch.distributed to be initialised first.")
     layout.validate_world_size(dist.get_world_size())
-    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.mesh_dim_names)
+    options = None
+    if timeout is not None:
+        options = mesh_group_options(dist.get_backend(), timeout, layout.mesh_dim_names)
+    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.mesh_dim_names,
+                            backend_override=options)
     expected = layout.coordinates(dist.get_rank())
     found = tuple(mesh.get_local_rank(name) for name in layout.mesh_dim_names)
     if found != tuple(expected):

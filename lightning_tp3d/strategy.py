@@ -54,7 +54,9 @@ from lightning_tp3d.checkpoint import (
     load_rng_state,
     save_checkpoint,
 )
+from lightning_tp3d.collectives import enable_collective_recording, naming_stuck_collectives
 from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosition
+from lightning_tp3d.doctor import DoctorReport, run_doctor
 from lightning_tp3d.export import load_hf_weights
 from lightning_tp3d.layout import LayoutError, ParallelLayout
 from lightning_tp3d.mesh import build_device_mesh
@@ -137,7 +139,9 @@ class TP3DStrategy(ModelParallelStrategy):
         pipeline_first_modules / pipeline_last_modules: modules of the network run before the blocks on
             the first stage / after them on the last stage; a stage computes first -> blocks -> last.
         process_group_backend: `"gloo"` / `"nccl"`; default from the device (gloo on CPU, nccl on CUDA).
-        timeout: timeout of the process groups' collectives.
+        timeout: timeout of every collective, on the default group and on each mesh dimension's groups; a
+            collective that does not complete in time raises `CollectiveTimeoutError` naming the group
+            (tp / pp / dp), the operation and the ranks, instead of hanging.
         async_checkpoint: write checkpoints in a background thread (tensors are first copied to CPU
             memory); a checkpoint appears under its name once the next save starts or fit ends.
         recompute: activation recompute granularity, `"none"`, `"full"` (whole blocks) or `"selective"`
@@ -147,6 +151,8 @@ class TP3DStrategy(ModelParallelStrategy):
         recompute_target: attribute path inside a block of the method or module `"selective"` recomputes.
         pretrained: a Hugging Face folder (safetensors) whose weights initialise the network after it is
             sharded, each rank reading only its own slices (a resumed checkpoint then overrides them).
+        preflight: measure each mesh dimension's links when the mesh is built (`tp3d doctor`'s figures at
+            1 MiB), log the table and warn with fixes; the report is kept in `preflight_report`.
 
     Mixed precision: `Trainer(precision="bf16-mixed" | "bf16-true")`, or for fp16 with a loss scaler that
     every rank agrees on, `Trainer(plugins=[TP3DPrecision("16-mixed")])` (see `lightning_tp3d.precision`).
@@ -177,6 +183,7 @@ class TP3DStrategy(ModelParallelStrategy):
         recompute_num_layers: int = 1,
         recompute_target: str = DEFAULT_SELECTIVE_TARGET,
         pretrained: str | Path | None = None,
+        preflight: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -223,6 +230,8 @@ class TP3DStrategy(ModelParallelStrategy):
         self._async_checkpoint = async_checkpoint
         self._recompute = (recompute, recompute_method, recompute_num_layers, recompute_target)
         self._pretrained = Path(pretrained) if pretrained is not None else None
+        self._preflight = preflight
+        self.preflight_report: DoctorReport | None = None
         if self._pretrained is not None and not (self._pretrained / "config.json").is_file():
             raise FileNotFoundError(
                 f"pretrained={str(pretrained)!r} is not a Hugging Face folder (no config.json in it)."
@@ -267,9 +276,15 @@ class TP3DStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        enable_collective_recording()  # before any group exists: failed collectives can then be named
         self._setup_distributed()
         self._layout = self._resolve_layout()
-        self._device_mesh = build_device_mesh(self._layout, self.root_device.type)
+        self._device_mesh = build_device_mesh(self._layout, self.root_device.type, self._timeout)
+        if self._preflight and self.preflight_report is None:
+            self.preflight_report = run_doctor(self._layout, self._device_mesh, sizes=(2**20,), iterations=3)
+            rank_zero_info(self.preflight_report.table())
+            for warning in self.preflight_report.warnings:
+                rank_zero_warn(warning)
         # `LightningModule.device_mesh` makes the mesh reachable from `configure_model` and the steps.
         self.lightning_module._device_mesh = self._device_mesh
         if self._async_checkpoint and self._checkpoint_group is None:
@@ -631,3 +646,10 @@ class TP3DStrategy(ModelParallelStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="Tensor x pipeline x data parallel strategy of lightning_tp3d"
         )
+
+
+# A collective failing inside these hooks raises CollectiveTimeoutError naming the group and the operation.
+for _hook in ("training_step", "validation_step", "test_step", "predict_step", "optimizer_step", "backward",
+              "save_checkpoint", "load_checkpoint", "barrier", "broadcast", "reduce"):
+    setattr(TP3DStrategy, _hook, naming_stuck_collectives(getattr(TP3DStrategy, _hook)))
+del _hook

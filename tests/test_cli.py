@@ -35,3 +35,19 @@ def test_plan_refuses_bad_layout_with_one_line(capsys):
                    " tensor_parallel_size that divides 64 (valid: [1, 2, 4, 8, 16, 32, 64]).")
     assert main(["plan", "no-such-model"]) == 2
     assert "Unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_plan_serve_prints_the_plan_and_the_vllm_commands(capsys):
+    assert main(["plan", "deepseek-llm-67b", "--serve", "--gpu-memory", "80GiB", "--max-model-len", "4096",
+                 "--deploy-tp", "1", "4", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out.splitlines()[2]  # tp 1: 125.6 GiB of weights
+    assert ("vllm serve deepseek-llm-67b --tensor-parallel-size 4 --dtype bfloat16 --gpu-memory-utilization 0.9"
+            " --max-model-len 4096 --max-num-seqs 109") in out
+    assert "--tensor-parallel-size 1 " not in out
+    assert main(["plan", "deepseek-llm-7b", "--serve", "--json", "--max-model-len", "4096"]) == 0
+    plans = json.loads(capsys.readouterr().out)["serving_plan"]
+    assert [(plan["tensor_parallel_size"], plan["max_num_seqs"]) for plan in plans][:1] == [(1, 31)]
+    assert main(["plan", "deepseek-llm-7b", "--serve", "--deploy-tp", "3"]) == 2
+    assert capsys.readouterr().err.strip() == ("tp3d plan: error: deploy tensor_parallel_size=3 is not valid for this"
+                                               " model: 3 does not divide num_attention_heads=32.")

@@ -1,0 +1,114 @@
+"""Collectives that fail instead of hanging, with an error that names the group and the operation.
+
+Two torch facts (2.13) shape this module:
+
+* `init_device_mesh` creates the mesh's groups with torch's default timeout (30 minutes), not the
+  default group's; `mesh_group_options` gives each mesh dimension the run's timeout.
+* The backend's timeout error says neither which group nor which collective ("Timed out waiting
+  3000ms for recv operation to complete"). torch's flight recorder (`TORCH_FR_BUFFER_SIZE`, enabled by
+  `enable_collective_recording` before the groups exist) keeps the last collectives of each rank with
+  their group description (`mesh_tp`, ...) and operation, from which `CollectiveTimeoutError` is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "describe_failed_collective",
+    "enable_collective_recording",
+    "mesh_group_options",
+    "naming_stuck_collectives",
+]
+
+_FAILURE_PATTERNS = re.compile(
+    r"timed out|timeout|connection closed by peer|connection reset|watchdog|DistBackendError", re.IGNORECASE
+)
+_RECORDED_COLLECTIVES = "2000"
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective that did not complete: which group (tp / pp / dp), which operation, which ranks."""
+
+
+def enable_collective_recording() -> None:
+    """Turn on torch's flight recorder for the groups created afterwards (unless the user configured it)."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", _RECORDED_COLLECTIVES)
+
+
+def mesh_group_options(backend: str, timeout: timedelta, dim_names: tuple[str, ...]) -> dict[str, Any]:
+    """`init_device_mesh(backend_override=...)` giving every mesh dimension's groups `timeout`."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+    else:
+        options = Backend.Options(backend, timeout)
+    return {name: (backend, options) for name in dim_names}
+
+
+def _last_recorded_collective() -> dict[str, Any] | None:
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        entries = json.loads(_dump_fr_trace_json(True, True)).get("entries", [])
+    except Exception:  # noqa: BLE001 - recording off or unavailable: the error stays unnamed
+        return None
+    return max(entries, key=lambda entry: entry.get("record_id", 0)) if entries else None
+
+
+def describe_failed_collective(error: BaseException, mesh: DeviceMesh | None, timeout: timedelta | None) -> str | None:
+    """A sentence naming the group, operation and ranks of the collective `error` interrupted, or None
+    when `error` does not look like a failed collective."""
+    if not _FAILURE_PATTERNS.search(f"{type(error).__name__}: {error}"):
+        return None
+    entry = _last_recorded_collective()
+    if entry is None:
+        return None
+    group_desc = (entry.get("process_group") or ["", ""])[-1]
+    operation = entry.get("profiling_name", "a collective").split(":")[-1]
+    dimension = group_desc.removeprefix("mesh_") if group_desc.startswith("mesh_") else None
+    if dimension is not None and mesh is not None and dimension in (mesh.mesh_dim_names or ()):
+        group = f"the {dimension} group (ranks {mesh[dimension].mesh.flatten().tolist()})"
+    elif group_desc in ("default_pg", ""):
+        group = "the default group (all ranks)"
+    else:
+        group = f"the process group {group_desc!r}"
+    within = f" within {timeout}" if timeout is not None else ""
+    return (
+        f"{operation} on {group} did not complete{within} on rank {dist.get_rank()}: another rank of that group"
+        " never joined it (it is stuck in a different collective, much slower, or it died). The ranks' code"
+        " paths diverged; run with TORCH_DISTRIBUTED_DEBUG=DETAIL to compare the collectives of every rank."
+    )
+
+
+def naming_stuck_collectives(method: Method) -> Method:
+    """Wrap a strategy method so a failed collective inside it raises `CollectiveTimeoutError` naming it.
+
+    The strategy provides `_device_mesh` and `_timeout`."""
+
+    @functools.wraps(method)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except CollectiveTimeoutError:
+            raise
+        except (RuntimeError, dist.DistError) as error:
+            description = describe_failed_collective(error, getattr(self, "_device_mesh", None),
+                                                     getattr(self, "_timeout", None))
+            if description is None:
+                raise
+            raise CollectiveTimeoutError(description) from error
+
+    return wrapped  # type: ignore[return-value]

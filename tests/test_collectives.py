@@ -1,0 +1,66 @@
+"""A collective that one rank never joins fails within the strategy's timeout, naming group and operation.
+
+At tp = 2 on 2 processes with `TP3DStrategy(timeout=3 s)`, rank 1 stalls for 12 s in its second training
+step while rank 0 enters the step's tensor-parallel collectives: rank 0 must fail after about 3 s with a
+`CollectiveTimeoutError` that names the tp group and the operation, not hang.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_tp3d import TP3DStrategy
+from lightning_tp3d.collectives import CollectiveTimeoutError, describe_failed_collective
+from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.models import CausalLMModule
+from tests.distributed import run_distributed
+from tests.helpers import SEQ_LEN, trainer_kwargs, world_size
+
+TIMEOUT_SECONDS = 3
+STALL_SECONDS = 12
+
+
+class StallingModule(CausalLMModule):
+    """Rank 1 stops answering collectives in the second step (as a rank stuck elsewhere would)."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1 and self.global_rank == 1:
+            time.sleep(STALL_SECONDS)
+        return super().training_step(batch, batch_idx)
+
+
+def run_stalled_world() -> dict[str, Any]:
+    strategy = TP3DStrategy(tensor_parallel_size=2, timeout=timedelta(seconds=TIMEOUT_SECONDS))
+    trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, max_steps=3))
+    started = time.monotonic()
+    try:
+        trainer.fit(StallingModule("tiny"), TokenDataModule(seq_len=SEQ_LEN, batch_size=4))
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        return {"type": type(error).__name__, "message": str(error), "seconds": time.monotonic() - started}
+    return {"type": None, "message": "", "seconds": time.monotonic() - started}
+
+
+@pytest.fixture(scope="module")
+def stalled() -> list[dict[str, Any]]:
+    return run_distributed(2, "tests.test_collectives:run_stalled_world", timeout=120)
+
+
+def test_stuck_collective_fails_in_time_and_names_the_group(stalled):
+    waiting = stalled[0]
+    assert waiting["type"] == "CollectiveTimeoutError", waiting["message"]
+    assert "on the tp group (ranks [0, 1]) did not complete within 0:00:03 on rank 0" in waiting["message"]
+    assert waiting["message"].split(" on the tp group")[0] in ("all_reduce", "allreduce", "all_gather",
+                                                               "allgather", "reduce_scatter", "broadcast")
+    # rank 0 took one normal step (well under a second) before waiting TIMEOUT_SECONDS; rank 1 stalled longer
+    assert waiting["seconds"] < STALL_SECONDS
+
+
+def test_other_errors_are_not_renamed():
+    assert describe_failed_collective(ValueError("a bad shape"), None, None) is None
+    assert issubclass(CollectiveTimeoutError, RuntimeError)
