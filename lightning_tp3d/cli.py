@@ -1,5 +1,6 @@
 """The `tp3d` command.
 
+    tp3d fit --config examples/tiny_2x2x2.yaml
     tp3d plan deepseek-llm-7b --tp 8 --pp 4 --dp 2 --micro-batch-size 1 --num-microbatches 8
     tp3d plan path/to/config.json --tp 2 --json
     tp3d export checkpoints/last.ckpt export/hf --dtype bf16 --deploy-tp 2 --max-shard-size 5GB
@@ -7,6 +8,7 @@
     tp3d plan deepseek-llm-67b --serve --gpu-memory 80GiB --max-model-len 4096 --deploy-tp 4 8
     torchrun --nproc-per-node 8 -m lightning_tp3d.cli doctor --tp 2 --pp 2
 
+`fit`, `validate`, `test` and `predict` run LightningCLI (see `lightning_tp3d.lightning_cli`).
 `plan` validates a layout against a model (a preset or a Hugging Face config.json) and prints the
 per-rank memory ledger for training and the serving alignment, without starting any process.
 `plan --serve` sizes a server: weights and KV cache per GPU for each deploy tensor-parallel size, the
@@ -238,7 +240,15 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+_LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _LIGHTNING_SUBCOMMANDS:
+        from lightning_tp3d.lightning_cli import run_lightning_cli
+
+        return run_lightning_cli(argv)
     parser = argparse.ArgumentParser(prog="tp3d", description="3-D parallel training for Lightning")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _plan_parser(subparsers)

@@ -1,0 +1,46 @@
+"""`tp3d fit|validate|test|predict --config run.yaml`: LightningCLI runs with the 3-D strategy.
+
+Two ways to choose the strategy in YAML, both complete:
+
+    trainer:                                  trainer:
+      strategy: tp3d                            strategy:
+    tp3d:                                         class_path: lightning_tp3d.TP3DStrategy
+      tensor_parallel_size: 2                     init_args:
+      pipeline_parallel_size: 2                     tensor_parallel_size: 2
+                                                    pipeline_parallel_size: 2
+
+The registered name alone (`strategy: tp3d`) takes its arguments from the top-level `tp3d:` section
+(every `TP3DStrategy` argument, validated by jsonargparse like any other). The model and data are
+`class_path` / `init_args` entries, e.g. `lightning_tp3d.models.CausalLMModule` and
+`lightning_tp3d.data.TokenDataModule`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from lightning_tp3d.strategy import TP3DStrategy
+
+__all__ = ["TP3DLightningCLI", "run_lightning_cli"]
+
+
+class TP3DLightningCLI(LightningCLI):
+    """`LightningCLI` with a `tp3d:` section holding the arguments of `trainer.strategy: tp3d`."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_class_arguments(TP3DStrategy, "tp3d")
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
+        if config.get("strategy") == TP3DStrategy.strategy_name:
+            config = {**config, "strategy": self._get(self.config_init, "tp3d")}
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def run_lightning_cli(args: Sequence[str]) -> int:
+    TP3DLightningCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                     args=list(args), save_config_kwargs={"overwrite": True})
+    return 0
