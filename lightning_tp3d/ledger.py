@@ -52,6 +52,7 @@ __all__ = [
     "deploy_options",
     "deploy_problem",
     "serving_plan",
+    "training_flops_per_token",
     "serving_ledger",
     "training_ledger",
 ]
@@ -137,6 +138,16 @@ def _layer_activation_elements(config: ModelConfig, tp: int, seq_len: int, micro
     h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
     heads = (config.num_attention_heads + config.num_key_value_heads) * d
     return seq_len * micro_batch * (4 * h + (heads + 5 * h + 4 * f) // tp)
+
+
+def training_flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token, as Megatron and PaLM count them:
+    6 x the matmul parameters (every layer's q, k, v, o, gate, up, down and the head; the embedding is a
+    lookup) + 12 x layers x hidden x sequence length for the attention scores and their weighted sum."""
+    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    layer = 2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size
+    matmul_parameters = config.num_hidden_layers * layer + config.vocab_size * h
+    return 6 * matmul_parameters + 12 * config.num_hidden_layers * h * seq_len
 
 
 def training_ledger(config: ModelConfig, layout: ParallelLayout, options: TrainingOptions) -> TrainingLedger:

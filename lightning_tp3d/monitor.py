@@ -1,0 +1,103 @@
+"""Throughput, MFU, gradient norm, loss scale and peak memory, counted right under tensor and pipeline
+parallelism, through Lightning's `ThroughputMonitor` and the Trainer's loggers.
+
+Lightning's `Throughput` turns per-device rates into global ones by multiplying by the world size. Under
+tp x pp only the data-parallel ranks see distinct samples (the tp x pp ranks of one replica share theirs),
+so samples and tokens per second are multiplied by dp here, while FLOPs are shared: each rank does
+1 / (tp x pp) of its replica's work, so per-rank FLOPs are the replica batch's FLOPs / (tp x pp) and the
+global FLOPs are that x world size. Model FLOPs per token come from `ledger.training_flops_per_token`.
+MFU is per-rank FLOPs/s over the device's peak (torch's table for GPUs and the precision, or
+`available_flops=`).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.utilities.data import extract_batch_size
+
+from lightning_tp3d.ledger import training_flops_per_token
+from lightning_tp3d.parallel.grad_norm import global_grad_norm
+
+__all__ = ["TP3DThroughputMonitor"]
+
+
+def _tokens(batch: Any) -> int:
+    return int(batch["input_ids"].numel()) if isinstance(batch, dict) and "input_ids" in batch else 0
+
+
+class TP3DThroughputMonitor(ThroughputMonitor):
+    """Logs `train/samples_per_sec`, `train/items_per_sec` (tokens), `train/flops_per_sec`, their
+    `device/` (per-rank) forms, `train/device/mfu`, `train/device/peak_memory_bytes`, and every optimizer
+    step `train/grad_norm` (global, over tp shards and pipeline stages) and `train/loss_scale` (fp16).
+
+    Args:
+        window_size: optimizer steps the rates are averaged over.
+        available_flops: peak FLOP/s of one device, for MFU where torch has no figure (e.g. CPUs).
+        batch_size_fn / length_fn: samples and tokens of a batch (default: `input_ids` rows and elements).
+    """
+
+    def __init__(self, window_size: int = 20, available_flops: float | None = None,
+                 batch_size_fn: Any = extract_batch_size, length_fn: Any = _tokens) -> None:
+        super().__init__(batch_size_fn=batch_size_fn, length_fn=length_fn, window_size=window_size)
+        self._available_flops_override = available_flops
+        self._model_parallel = 1
+        self._config: Any = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        layout = trainer.strategy.layout
+        self._model_parallel = layout.tensor_parallel_size * layout.pipeline_parallel_size
+        if self._available_flops_override is not None:
+            self.available_flops = self._available_flops_override
+        for key in list(self._throughputs):  # samples and tokens are distinct only across dp ranks
+            self._throughputs[key] = Throughput(available_flops=self.available_flops,
+                                                world_size=layout.data_parallel_size, **self.kwargs)
+
+    def _update(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, iter_num: int) -> None:
+        stage = trainer.state.stage
+        if self._config is None:  # the network exists once `configure_model` has run
+            self._config = trainer.strategy.network.config
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._t0s[stage]
+        samples, tokens = self.batch_size_fn(batch), self.length_fn(batch)
+        sequence = tokens // max(samples, 1)
+        self._lengths[stage] += tokens
+        self._samples[stage] += samples
+        self._batches[stage] += 1
+        rank_flops = tokens * training_flops_per_token(self._config, sequence) / self._model_parallel
+        self._throughputs[stage].update(time=elapsed, batches=self._batches[stage], samples=self._samples[stage],
+                                        lengths=self._lengths[stage], flops=rank_flops)
+
+    def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
+        if not trainer._logger_connector.should_update_logs:
+            return
+        stage = trainer.state.stage
+        throughput = self._throughputs[stage]
+        metrics = throughput.compute()
+        separator = throughput.separator
+        if "flops_per_sec" in metrics:  # Throughput summed dp ranks only; every rank computes
+            metrics["flops_per_sec"] *= self._model_parallel
+        if trainer.strategy.root_device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        metrics[f"device{separator}peak_memory_bytes"] = peak
+        metrics = {f"{stage.value}{separator}{key}": value for key, value in metrics.items()}
+        trainer._logger_connector.log_metrics(metrics, step=iter_num)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        # After unscaling, before clipping: a collective over every rank.
+        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        norm = global_grad_norm(parameters, trainer.strategy.device_mesh["pp"].get_group())
+        pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False, sync_dist=False)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            pl_module.log("train/loss_scale", float(scaler.get_scale()), on_step=True, on_epoch=False)

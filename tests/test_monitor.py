@@ -1,0 +1,81 @@
+"""`TP3DThroughputMonitor` at (tp, pp, dp) = (2, 1, 2) and (1, 2, 2) on 4 processes (world size 4 != dp 2):
+the logged samples, tokens, FLOPs and MFU agree with the tokens actually processed, and the logged
+gradient norm is the single-process reference's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_tp3d import MODEL_PRESETS, TP3DStrategy
+from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.ledger import training_flops_per_token
+from lightning_tp3d.models import CausalLMModule
+from lightning_tp3d.monitor import TP3DThroughputMonitor
+from tests.distributed import run_distributed
+from tests.helpers import LEARNING_RATE, SEQ_LEN, MemoryLogger, reference_run, trainer_kwargs, world_size
+
+PER_RANK_BATCH = 4
+PEAK_FLOPS = 1e12
+STEPS = 6
+
+
+def run_world() -> dict[str, Any]:
+    results = {}
+    for tp, pp in ((2, 1), (1, 2)):
+        logger = MemoryLogger()
+        strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2)
+        trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, max_steps=STEPS, logger=logger,
+                                             callbacks=[TP3DThroughputMonitor(window_size=2,
+                                                                              available_flops=PEAK_FLOPS)]))
+        trainer.fit(CausalLMModule("tiny", learning_rate=LEARNING_RATE),
+                    TokenDataModule(seq_len=SEQ_LEN, batch_size=PER_RANK_BATCH, val_fraction=0.2))
+        results[f"tp{tp}-pp{pp}"] = logger.records
+    return results
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict[str, Any]]:
+    return run_distributed(4, "tests.test_monitor:run_world")
+
+
+def _last(records: list, key: str) -> float:
+    return [value for _, name, value in records if name == key][-1]
+
+
+@pytest.mark.parametrize(("name", "model_parallel"), [("tp2-pp1", 2), ("tp1-pp2", 2)])
+def test_rates_count_each_sample_once_and_flops_per_rank(records, name, model_parallel):
+    logged = records[0][name]  # rank 0 logs
+    dp, world = 2, 4
+    assert _last(logged, "train/samples") == STEPS * PER_RANK_BATCH
+    assert _last(logged, "train/lengths") == STEPS * PER_RANK_BATCH * SEQ_LEN
+    device_samples = _last(logged, "train/device/samples_per_sec")
+    assert _last(logged, "train/samples_per_sec") == pytest.approx(dp * device_samples)  # not x world size
+    device_tokens = _last(logged, "train/device/items_per_sec")
+    assert device_tokens == pytest.approx(SEQ_LEN * device_samples)
+    assert _last(logged, "train/items_per_sec") == pytest.approx(dp * device_tokens)
+    flops_per_token = training_flops_per_token(MODEL_PRESETS["tiny"], SEQ_LEN)
+    device_flops = _last(logged, "train/device/flops_per_sec")
+    assert device_flops == pytest.approx(device_tokens * flops_per_token / model_parallel)
+    assert _last(logged, "train/flops_per_sec") == pytest.approx(world * device_flops)
+    assert _last(logged, "train/device/mfu") == pytest.approx(device_flops / PEAK_FLOPS)
+    assert _last(logged, "train/device/peak_memory_bytes") > 0
+
+
+def test_flops_per_token_by_hand():
+    h, kv, f, layers, vocab, s = 64, 2 * 16, 128, 4, 256, SEQ_LEN
+    matmul = layers * (2 * h * h + 2 * h * kv + 3 * h * f) + vocab * h
+    assert training_flops_per_token(MODEL_PRESETS["tiny"], s) == 6 * matmul + 12 * layers * h * s
+
+
+@pytest.mark.parametrize("name", ["tp2-pp1", "tp1-pp2"])
+def test_logged_gradient_norm_is_the_reference(records, name):
+    reference = reference_run(1, 2 * PER_RANK_BATCH)["first_grads"]
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in reference.values()])).item()
+    for rank in records:
+        norms = [value for _, key, value in rank[name] if key == "train/grad_norm"]
+        assert len(norms) == STEPS
+        assert norms[0] == pytest.approx(expected, rel=1e-5)
