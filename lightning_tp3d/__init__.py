@@ -1,8 +1,10 @@
 """lightning_tp3d: tensor x pipeline x data parallel training for Lightning, from layout to serving."""
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_tp3d.config import MODEL_PRESETS, ModelConfig, resolve_model_config
+from lightning_tp3d.fabric import TP3DFabricStrategy
 from lightning_tp3d.layout import LayoutError, ParallelLayout, RankCoordinates
 from lightning_tp3d.precision import TP3DPrecision
 from lightning_tp3d.strategy import TP3DStrategy
@@ -13,6 +15,7 @@ __all__ = [
     "ModelConfig",
     "ParallelLayout",
     "RankCoordinates",
+    "TP3DFabricStrategy",
     "TP3DPrecision",
     "TP3DStrategy",
     "resolve_model_config",
@@ -22,3 +25,5 @@ __version__ = "0.1.0"
 
 if TP3DStrategy.strategy_name not in StrategyRegistry:
     TP3DStrategy.register_strategies(StrategyRegistry)
+if "tp3d" not in FABRIC_STRATEGY_REGISTRY:
+    TP3DFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)

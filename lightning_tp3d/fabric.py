@@ -1,0 +1,225 @@
+"""`TP3DFabricStrategy`: the same 3-D parallelism for Lightning Fabric loops, registered as `"tp3d"`.
+
+It shares `ParallelCore` with the Trainer strategy: layout, mesh, pipeline split, tensor parallel plan,
+recompute, FSDP2, the pipelined forward, gradient all-reduce, global-norm clipping and the checkpoint
+format are the same code. The network given to `fabric.setup` is parallelised in place; under pipeline
+parallelism `model(input_ids, labels=labels)` runs the schedule's forward and backward and returns the
+batch loss on every rank, and `fabric.backward(loss)` then only adds the schedule's gradients.
+
+Example usage::
+
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=TP3DFabricStrategy(tensor_parallel_size=2,
+                                                                              pipeline_parallel_size=2))
+    fabric.launch()
+    model = fabric.setup(LlamaForCausalLM(config))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    for batch in fabric.setup_dataloaders(loader):
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
+from lightning.fabric.utilities.types import ReduceOp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_tp3d.checkpoint import save_checkpoint
+from lightning_tp3d.collectives import enable_collective_recording, naming_stuck_collectives
+from lightning_tp3d.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config
+from lightning_tp3d.layout import ParallelLayout
+from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
+
+__all__ = ["TP3DFabricStrategy"]
+
+_KEYS = "tp3d_state_keys"  # where a Fabric checkpoint records which of its keys were the model and optimizers
+
+
+class _BackwardSyncControl(_ParallelBackwardSyncControl):
+    """`fabric.no_backward_sync(model)`: FSDP2 skips its reduce-scatter, replicate mode its all-reduce."""
+
+    def __init__(self, strategy: TP3DFabricStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        @contextmanager
+        def skipping() -> Generator[None, None, None]:
+            previous, self._strategy._gradient_sync = self._strategy._gradient_sync, not enabled
+            try:
+                with super(_BackwardSyncControl, self).no_backward_sync(module, enabled):
+                    yield
+            finally:
+                self._strategy._gradient_sync = previous
+
+        return skipping()
+
+
+class TP3DFabricStrategy(ModelParallelStrategy):
+    """Fabric strategy for 3-D parallel training; the arguments are `TP3DStrategy`'s (without the
+    Trainer-only `model_attribute` and `async_checkpoint`): the network is the module given to `setup`."""
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        data_parallel_mode: Literal["replicate", "fsdp"] = "replicate",
+        num_microbatches: int | None = None,
+        pipeline_schedule: str = "1f1b",
+        stages_per_rank: int = 2,
+        layers_per_stage: Sequence[int] | None = None,
+        tp_plan: Mapping[str, ParallelStyle] | Callable[[], Mapping[str, ParallelStyle]] | str | None = None,
+        layers_attribute: str = "model.layers",
+        pipeline_first_modules: Sequence[str] = ("model.embed_tokens",),
+        pipeline_last_modules: Sequence[str] = ("model.norm", "lm_head"),
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        recompute: Literal["none", "full", "selective"] = "none",
+        recompute_method: Literal["uniform", "block"] = "uniform",
+        recompute_num_layers: int = 1,
+        recompute_target: str = DEFAULT_SELECTIVE_TARGET,
+        pretrained: str | Path | None = None,
+        preflight: bool = False,
+    ) -> None:
+        super().__init__(parallelize_fn=self._parallelize, data_parallel_size=data_parallel_size,
+                         tensor_parallel_size=tensor_parallel_size, save_distributed_checkpoint=True,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.core = ParallelCore.from_arguments(locals())
+        self._backward_sync_control = _BackwardSyncControl(self)
+        self._gradient_sync = True
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.core.layout
+
+    @override
+    def _configure_launcher(self) -> None:
+        self.core.resolve_layout(self.num_nodes * self.num_processes)  # before any process is launched
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        enable_collective_recording()
+        self.accelerator.setup_device(self.root_device)
+        self._setup_distributed()
+        self._device_mesh = self.core.setup_mesh(self.world_size, self.root_device.type, self._timeout)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.core.sampler_kwargs(self.global_rank)
+
+    def _parallelize(self, module: nn.Module, _: Any) -> nn.Module:
+        if self.core.parallelize(module, model_config(module), self._loss_scale, self.root_device):
+            self.core.load_pretrained(module)
+        return module
+
+    def _loss_scale(self) -> float:
+        scaler = getattr(self.precision, "scaler", None)
+        return scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+
+    # ------------------------------------------------------------------ step
+    @override
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Under pipelining the schedule already ran backward in the forward call: add its gradients."""
+        if self.core.pipeline is None:
+            super().backward(tensor, module, *args, **kwargs)
+        else:
+            self.core.take_pipeline_gradients()
+        if self._gradient_sync and module is not None:
+            self.core.all_reduce_gradients(module.parameters())
+
+    @override
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
+                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Clip by the global 2-norm over tp shards, dp shards and pipeline stages; returns that norm."""
+        if norm_type != 2.0:
+            raise ValueError(f"TP3DFabricStrategy clips by the global 2-norm only, got norm_type={norm_type}.")
+        self.precision.unscale_gradients(optimizer)
+        norm = self.core.clip_gradients_by_norm(self.precision.main_params(optimizer), max_norm)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The global gradient norm is {norm.item()}; pass error_if_nonfinite=False to go on.")
+        return norm
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.precision.unscale_gradients(optimizer)
+        self.core.clip_gradients_by_value(self.precision.main_params(optimizer), clip_val)
+
+    @override
+    def all_reduce(self, tensor: torch.Tensor, group: Any | None = None,
+                   reduce_op: ReduceOp | str | None = "mean") -> torch.Tensor:
+        """Over the dp group by default: values are replicated over the tp and pp ranks of a replica."""
+        return super().all_reduce(tensor, group=self.core.group("dp") if group is None else group,
+                                  reduce_op=reduce_op)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+        """The Trainer strategy's checkpoint format: one model, its optimizers, the rest of `state`."""
+        if storage_options is not None or filter is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter.")
+        path = Path(self.broadcast(str(path)))
+        model_key, module, optimizers = _split_state(state)
+        rest = {key: value for key, value in state.items() if key != model_key and key not in optimizers}
+        rest[_KEYS] = {"model": model_key, "optimizers": list(optimizers)}
+        optimizer_states = [get_optimizer_state_dict(module, optimizer, options=FLAT_OPTIMIZER_STATE)
+                            for optimizer in optimizers.values()]
+        step = state.get("step", 0)
+        meta = self.core.checkpoint_meta(self.world_size, step if isinstance(step, int) else 0, 0, "",
+                                         model_config(module))
+        save_checkpoint(path, self.core.sharded_state(get_model_state_dict(module), optimizer_states), rest, meta)
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Fill `state`'s model and optimizers (any saved layout) and its other keys; return what is left."""
+        if not isinstance(state, dict):
+            raise TypeError(f"{type(self).__name__}.load_checkpoint needs state={{'model': model, ...}}.")
+        path = Path(self.broadcast(str(path)))
+        model_key, module, optimizers = _split_state(state)
+        _, saved = self.core.load(path, module, list(optimizers.values()), strict, self.global_rank)
+        saved.pop(_KEYS, None)
+        for key in [key for key in state if key != model_key and key not in optimizers and key in saved]:
+            state[key] = saved.pop(key)
+        return saved
+
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("tp3d", cls,
+                                   description="Tensor x pipeline x data parallel strategy of lightning_tp3d")
+
+
+def _split_state(state: Mapping[str, Any]) -> tuple[str, nn.Module, dict[str, Optimizer]]:
+    modules = [key for key, value in state.items() if isinstance(value, nn.Module)]
+    if len(modules) != 1:
+        raise ValueError(f"A TP3DFabricStrategy checkpoint holds exactly one model; state has {len(modules)}"
+                         f" modules ({modules}).")
+    optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
+    return modules[0], state[modules[0]], optimizers
+
+
+for _hook in ("backward", "clip_gradients_norm", "save_checkpoint", "load_checkpoint", "all_reduce", "barrier",
+              "broadcast"):
+    setattr(TP3DFabricStrategy, _hook, naming_stuck_collectives(getattr(TP3DFabricStrategy, _hook)))
+del _hook
