@@ -1,6 +1,7 @@
 """Mixed precision under tensor and pipeline parallelism.
 
 * bf16-mixed at (tp, pp, dp) = (2, 2, 2): losses of 10 steps against the single-process bf16 autocast run.
+* bf16-true at (2, 2, 1): bf16 weights, losses within bf16 rounding of fp32's.
 * 16-mixed at (2, 2, 1) with `TP3DPrecision`: an inf written into one tp rank's gradient makes every rank
   skip that step (weights unchanged everywhere) and halve the scale together; the scale survives a
   checkpoint and the resumed run continues exactly.
@@ -81,8 +82,10 @@ def run_fp16_world(directory: str) -> dict[str, Any]:
     straight = _fit(2, 2, 6, TP3DPrecision("16-mixed"), [watch, saver], directory=directory)
     resumed_watch = WatchScaler(None)
     resumed = _fit(2, 2, 6, TP3DPrecision("16-mixed"), [resumed_watch], ckpt_path=directory / "step4.ckpt")
+    dtypes = LinearOutputDtypes()
+    bf16_true = _fit(2, 2, 3, "bf16-true", [dtypes])
     return {"straight": straight, "scales": watch.scales, "changed": watch.changed, "resumed": resumed,
-            "resumed_scales": resumed_watch.scales}
+            "resumed_scales": resumed_watch.scales, "bf16_true": bf16_true, "bf16_true_dtypes": dtypes.dtypes}
 
 
 class LinearOutputDtypes(Callback):
@@ -114,6 +117,15 @@ def test_bf16_mixed_at_2x2x2_matches_single_process_bf16():
         assert rank["dtypes"] == {"torch.bfloat16"}
         assert len(rank["losses"]) == STEPS
         for parallel, single in zip(rank["losses"], reference):
+            assert abs(parallel - single) <= 2**-8 * abs(single)
+
+
+def test_bf16_true_at_2x2x1_trains_in_bf16(fp16):
+    """bf16 weights and optimizer state: the first steps stay within one bf16 unit roundoff of fp32's losses."""
+    reference = reference_run(3, GLOBAL_BATCH)["losses"]
+    for rank in fp16:
+        assert rank["bf16_true_dtypes"] == {"torch.bfloat16"}
+        for parallel, single in zip(rank["bf16_true"], reference, strict=True):
             assert abs(parallel - single) <= 2**-8 * abs(single)
 
 
