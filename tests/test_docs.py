@@ -1,7 +1,7 @@
 """Every `python` and `bash` block of docs/*.md runs.
 
-The blocks of one page run in order, each in its own process, in a fresh working folder holding a link
-to `examples/`; files a block writes are there for the next (so a page can train a model, export it,
+The blocks of one page run in order, each in its own process, in a fresh working folder holding links
+to `examples/` and `benchmarks/`; files a block writes are there for the next (so a page can train a model, export it,
 then check it). `tp3d ...` commands run as `python -m lightning_tp3d.cli ...`. Blocks that need GPUs,
 a cluster or a server are written as `console` blocks, which are shown but not run.
 """
@@ -33,7 +33,8 @@ def test_pages_have_runnable_code():
 
 @pytest.mark.parametrize("page", [page for page in PAGES if _blocks(page)], ids=lambda page: page.name)
 def test_page_code_runs(page, tmp_path):
-    (tmp_path / "examples").symlink_to(REPOSITORY / "examples")
+    for folder in ("examples", "benchmarks"):
+        (tmp_path / folder).symlink_to(REPOSITORY / folder)
     environment = {**os.environ, "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
     for index, (language, code) in enumerate(_blocks(page)):
