@@ -53,6 +53,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMeta",
     "MODEL_GROUP",
+    "ModelTensorReader",
     "PendingSave",
     "load_checkpoint",
     "load_model_tensors",
@@ -410,30 +411,41 @@ def _load_weights_only(file: Path) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- consolidate
-def model_tensor_shapes(path: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Whole (global) shape and dtype of every model tensor, by parameter name of the saved module."""
-    metadata = _read_index(Path(path))
-    prefix = MODEL_GROUP + "."
-    return {key.removeprefix(prefix): (entry.size, entry.properties.dtype)
+class ModelTensorReader:
+    """Whole model tensors of a checkpoint, merged from every shard, in this process alone.
+
+    The checkpoint is checked once (meta.json, DCP index, shard files); `load` then reads only the
+    requested tensors, so a caller asking for one name at a time streams the model (export does).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        read_meta(self.path)
+        metadata = _read_index(self.path)
+        _check_shard_files(self.path, metadata)
+        prefix = MODEL_GROUP + "."
+        self.shapes: dict[str, tuple[torch.Size, torch.dtype]] = {
+            key.removeprefix(prefix): (entry.size, entry.properties.dtype)
             for key, entry in metadata.state_dict_metadata.items()
             if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
 
+    def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        names = list(self.shapes) if names is None else list(names)
+        unknown = [name for name in names if name not in self.shapes]
+        if unknown:
+            raise CheckpointError(f"Checkpoint {self.path} has no model tensor {unknown[0]!r}.")
+        tensors = {f"{MODEL_GROUP}.{name}": torch.empty(self.shapes[name][0], dtype=self.shapes[name][1])
+                   for name in names}
+        with _single_process_notice_silenced():
+            dcp.load(tensors, checkpoint_id=self.path, no_dist=True)
+        return {key.removeprefix(MODEL_GROUP + "."): tensor for key, tensor in tensors.items()}
+
+
+def model_tensor_shapes(path: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Whole (global) shape and dtype of every model tensor, by parameter name of the saved module."""
+    return ModelTensorReader(path).shapes
+
 
 def load_model_tensors(path: str | Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """Whole model tensors (all, or `names`) merged from every shard, in this process alone.
-
-    Memory is the requested tensors only, so a caller that asks for one name at a time streams the
-    model: this is what export uses to write Hugging Face weights from a checkpoint of any layout.
-    """
-    path = Path(path)
-    read_meta(path)
-    shapes = model_tensor_shapes(path)
-    names = list(shapes) if names is None else list(names)
-    unknown = [name for name in names if name not in shapes]
-    if unknown:
-        raise CheckpointError(f"Checkpoint {path} has no model tensor {unknown[0]!r}.")
-    _check_shard_files(path, _read_index(path))
-    tensors = {f"{MODEL_GROUP}.{name}": torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
-    with _single_process_notice_silenced():
-        dcp.load(tensors, checkpoint_id=path, no_dist=True)
-    return {key.removeprefix(MODEL_GROUP + "."): tensor for key, tensor in tensors.items()}
+    """Whole model tensors (all, or `names`) merged from every shard, in this process alone."""
+    return ModelTensorReader(path).load(names)

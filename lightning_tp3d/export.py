@@ -4,7 +4,7 @@
   load as is: `config.json` (`LlamaForCausalLM`) and `model.safetensors`, or numbered shards
   `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`. It streams: the files and
   their headers are planned from the checkpoint's shapes, then each tensor is merged from the
-  checkpoint's shards alone (`load_model_tensors`), converted and written straight to its file, so
+  checkpoint's shards alone (`ModelTensorReader`), converted and written straight to its file, so
   memory stays near the largest tensor whatever the model size (no shard is buffered). The folder is
   written as `<out>.partial` and renamed when complete.
 * `write_deploy_shards` splits such a folder for an N-way tensor-parallel server with the training
@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from lightning_tp3d.checkpoint import CheckpointError, load_model_tensors, model_tensor_shapes, read_meta
+from lightning_tp3d.checkpoint import CheckpointError, ModelTensorReader, read_meta
 from lightning_tp3d.config import ModelConfig
 from lightning_tp3d.ledger import deploy_problem
 from lightning_tp3d.units import parse_size
@@ -139,7 +139,8 @@ def export_checkpoint(
         _check_deploy_tp(config, deploy_tp)
     names = hf_tensor_names(config)
     prefix = meta.network_prefix
-    shapes = {name.removeprefix(prefix): tuple(shape) for name, (shape, _) in model_tensor_shapes(checkpoint).items()
+    reader = ModelTensorReader(checkpoint)  # checked once, then read one tensor at a time
+    shapes = {name.removeprefix(prefix): tuple(shape) for name, (shape, _) in reader.shapes.items()
               if name.startswith(prefix)}
     missing = [name for name in names if name not in shapes]
     if missing:
@@ -149,7 +150,7 @@ def export_checkpoint(
         )
 
     def load(name: str) -> torch.Tensor:
-        return load_model_tensors(checkpoint, [prefix + name])[prefix + name]
+        return reader.load([prefix + name])[prefix + name]
 
     result = _write_hf_folder(output, config, [(name, shapes[name]) for name in names], load,
                               EXPORT_DTYPES[dtype], parse_size(max_shard_size))
