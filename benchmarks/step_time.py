@@ -27,13 +27,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-from lightning_tp3d import ModelConfig, TP3DStrategy
+from common import CONFIG, benchmark_trainer
+
+from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.parallel.tensor import apply_tensor_parallel, llama_tp_plan
-
-CONFIG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
 
 
 class StepTimer(Callback):
@@ -59,9 +58,7 @@ def _tensor_parallel(module: CausalLMModule, mesh: Any) -> CausalLMModule:
 
 def _run(strategy: Any, steps: int, batch: int, seq_len: int) -> dict[str, Any]:
     timer = StepTimer()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[timer], num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = benchmark_trainer(2, strategy, steps, [timer])
     module = CausalLMModule(CONFIG)
     if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, TP3DStrategy):
         module.configure_model = _with_parallelize(module)

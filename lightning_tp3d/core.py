@@ -53,6 +53,7 @@ from lightning_tp3d.parallel.tensor import (
     check_plan_matches,
     plan_entries_present,
     resolve_tp_plan,
+    shard_gradients_like_parameters,
 )
 
 __all__ = ["FLAT_OPTIMIZER_STATE", "ParallelCore", "model_config", "resolve_attribute"]
@@ -333,7 +334,10 @@ class ParallelCore:
         self._pending_gradients = []
 
     def all_reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
-        """Average gradients over dp in `"replicate"` mode (FSDP2 reduce-scatters them itself)."""
+        """Shard each gradient like its parameter (see `shard_gradients_like_parameters`), then average
+        gradients over dp in `"replicate"` mode (FSDP2 reduce-scatters them itself)."""
+        parameters = list(parameters)
+        shard_gradients_like_parameters(parameters)
         if self.data_parallel_mode == "replicate" and self.layout.data_parallel_size > 1:
             all_reduce_gradients(parameters, self.group("dp"), self.layout.data_parallel_size)
 

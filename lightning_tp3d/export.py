@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import struct
 from collections.abc import Callable, Iterator
@@ -216,6 +217,8 @@ def _write_safetensors(folder: Path, entries: list[tuple[str, tuple[int, ...]]],
                 if tuple(tensor.shape) != shape:
                     raise ValueError(f"{name}: expected shape {list(shape)}, got {list(tensor.shape)}.")
                 file.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            file.flush()
+            os.fsync(file.fileno())  # on disk before the folder is renamed into place
         total += offset
     if count > 1:
         index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import lightning as L
@@ -21,11 +22,26 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities.data import extract_batch_size
+from torch.distributed.tensor import DTensor
 
 from lightning_tp3d.ledger import training_flops_per_token
 from lightning_tp3d.parallel.grad_norm import global_grad_norm
 
-__all__ = ["TP3DThroughputMonitor"]
+__all__ = ["TP3DThroughputMonitor", "local_storage_bytes"]
+
+
+def local_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind `tensors` on this rank: a DTensor counts its local shard,
+    padding and all (FSDP2), and tensors sharing a storage count it once. Compare with the ledger's
+    weight, gradient and optimizer bytes for this rank's stage."""
+    storages = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _tokens(batch: Any) -> int:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
+from lightning_tp3d.monitor import local_storage_bytes
 
 SEQ_LEN = 16
 LEARNING_RATE = 3e-3
@@ -67,10 +68,17 @@ class CaptureGradients(Callback):
         self.prefix = prefix
         self.first_grads: dict[str, torch.Tensor] | None = None
         self.final_params: dict[str, torch.Tensor] | None = None
+        self.misplaced_gradients: list[str] = []  # gradients placed unlike their parameter
+        self.gradient_bytes = self.parameter_bytes = 0  # this rank's storage, before the first update
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.first_grads is None:
             self.first_grads = named_full(pl_module, "grad", self.prefix)
+            parameters = dict(pl_module.named_parameters())
+            self.misplaced_gradients = [name for name, parameter in parameters.items()
+                                        if getattr(parameter, "placements", None) != getattr(parameter.grad, "placements", None)]
+            self.parameter_bytes = local_storage_bytes(parameters.values())
+            self.gradient_bytes = local_storage_bytes(parameter.grad for parameter in parameters.values())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.final_params = named_full(pl_module, "data", self.prefix)

@@ -131,7 +131,8 @@ def _fit(name: str, tp: int, mode: str, batch: int, accumulate: int = 1, clip: f
     trainer.fit(module, TokenDataModule(seq_len=SEQ_LEN, batch_size=batch, val_fraction=0.2))
     return {"losses": logger.values("train_loss"), "val_loss": logger.values("val_loss"),
             "first_grads": capture.first_grads, "final_params": capture.final_params,
-            "mesh_shape": tuple(module.device_mesh.shape)}
+            "mesh_shape": tuple(module.device_mesh.shape), "misplaced_gradients": capture.misplaced_gradients,
+            "gradient_bytes": capture.gradient_bytes, "parameter_bytes": capture.parameter_bytes}
 
 
 def run_world() -> dict[str, Any]:
@@ -163,6 +164,15 @@ def _assert_close_dicts(found: dict[str, torch.Tensor], expected: dict[str, torc
 
 LAYOUTS = [scenario["name"] for world in (1, 2, 4) for scenario in SCENARIOS[world]
            if "accumulate" not in scenario and not scenario.get("user_model")]
+
+
+@pytest.mark.parametrize("name", [scenario["name"] for world in (1, 2, 4) for scenario in SCENARIOS[world]])
+def test_gradients_are_sharded_like_their_parameters(world_results, name):
+    """DTensor's embedding backward returns the vocab-parallel embedding's gradient replicated (V x h on
+    every tp rank); the strategy cuts it to the rank's rows before the all-reduce and the update."""
+    result = world_results[name]
+    assert result["misplaced_gradients"] == []
+    assert result["gradient_bytes"] == result["parameter_bytes"] > 0
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -1,0 +1,160 @@
+"""Checkpoint save / load throughput, and export throughput against the disk's raw write speed.
+
+    python benchmarks/checkpoint_io.py       # 2 CPU processes at tensor parallel 2, ~160M parameters
+
+A model of about 160M parameters (640 MB in fp32, 1.9 GB with AdamW's moments) trains one step at
+tp = 2; then, in the same session:
+
+* save: `trainer.save_checkpoint` (DCP shards of every rank, RNG and trainer state, every file fsynced,
+  the folder renamed into place), checkpoint bytes / seconds;
+* load: `strategy.load_checkpoint` of that folder into the live model and optimizer (the files are in
+  the page cache, so this measures deserialisation and resharding, not the disk);
+* export, in one process: `export_checkpoint` to one fp32 safetensors file (fsynced) against two
+  baselines writing the same bytes: the raw disk (pre-made bytes in 64 MB writes, then fsync) and
+  `safetensors.torch.save_file` of the merged tensors already in memory (then fsync).
+
+Save and load alternate over the rounds, as do export and its baselines; each figure is the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from safetensors.torch import save_file
+
+from common import MACHINE, benchmark_trainer
+
+from lightning_tp3d import ModelConfig, TP3DStrategy
+from lightning_tp3d.checkpoint import load_model_tensors
+from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.export import export_checkpoint
+from lightning_tp3d.models import CausalLMModule
+
+CONFIG = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                     num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=512)
+_CHUNK = 64 * 2**20
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+class SaveLoadTimer(Callback):
+    """At the end of training: save and load the checkpoint `rounds` times, timed between barriers."""
+
+    def __init__(self, folder: Path, rounds: int) -> None:
+        self.folder, self.rounds = folder, rounds
+        self.save_seconds: list[float] = []
+        self.load_seconds: list[float] = []
+        self.checkpoint_bytes = 0
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        path = self.folder / "benchmark.ckpt"
+        for _ in range(self.rounds):
+            self.save_seconds.append(_between_barriers(strategy, lambda: trainer.save_checkpoint(path)))
+            self.load_seconds.append(_between_barriers(strategy, lambda: strategy.load_checkpoint(path)))
+        self.checkpoint_bytes = _folder_bytes(path)
+
+
+def _between_barriers(strategy: Any, action: Callable[[], Any]) -> float:
+    strategy.barrier()
+    started = time.perf_counter()
+    action()
+    strategy.barrier()
+    return time.perf_counter() - started
+
+
+def _raw_write(path: Path, total: int) -> None:
+    chunk = memoryview(torch.randint(0, 256, (_CHUNK,), dtype=torch.uint8).numpy())
+    with open(path, "wb") as file:
+        for start in range(0, total, _CHUNK):
+            file.write(chunk[: min(_CHUNK, total - start)])
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _timed(action: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def _export_rounds(checkpoint: Path, folder: Path, rounds: int) -> dict[str, Any]:
+    """Export and its two baselines, alternated over `rounds`; the output is removed after each write."""
+    output = folder / "export"
+    export_bytes = export_checkpoint(checkpoint, output).total_bytes
+    tensors = load_model_tensors(checkpoint)
+    seconds: dict[str, list[float]] = {"raw disk write": [], "safetensors save_file": [], "export_checkpoint": []}
+    for _ in range(rounds):
+        shutil.rmtree(output)
+        seconds["export_checkpoint"].append(_timed(lambda: export_checkpoint(checkpoint, output)))
+        raw = folder / "raw.bin"
+        seconds["raw disk write"].append(_timed(lambda: _raw_write(raw, export_bytes)))
+        raw.unlink()
+        merged = folder / "merged.safetensors"
+        seconds["safetensors save_file"].append(_timed(lambda: (save_file(tensors, str(merged)), _fsync(merged))))
+        merged.unlink()
+    return {name: {"median_seconds": statistics.median(values), "rounds": values,
+                   "bytes_per_second": export_bytes / statistics.median(values)}
+            for name, values in seconds.items()} | {"bytes": export_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--folder", type=Path, default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument("--output", default="benchmarks/checkpoint_io_cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    folder = Path(args.folder or tempfile.mkdtemp(prefix="tp3d-io-"))
+    timer = SaveLoadTimer(folder, args.rounds)
+    trainer = benchmark_trainer(2, TP3DStrategy(tensor_parallel_size=2), 1, [timer])
+    trainer.fit(CausalLMModule(CONFIG), TokenDataModule(seq_len=32, batch_size=2))
+    if trainer.global_rank != 0:
+        return
+    gigabyte = 1e9
+    save, load = statistics.median(timer.save_seconds), statistics.median(timer.load_seconds)
+    results: dict[str, Any] = {
+        "machine": MACHINE, "parameters": CONFIG.num_parameters(), "checkpoint_bytes": timer.checkpoint_bytes,
+        "save": {"median_seconds": save, "rounds": timer.save_seconds,
+                 "bytes_per_second": timer.checkpoint_bytes / save},
+        "load": {"median_seconds": load, "rounds": timer.load_seconds,
+                 "bytes_per_second": timer.checkpoint_bytes / load},
+    }
+    results["export"] = _export_rounds(folder / "benchmark.ckpt", folder, args.rounds)
+    export = results["export"]
+    results["ratio export / raw disk write"] = (export["export_checkpoint"]["bytes_per_second"]
+                                                / export["raw disk write"]["bytes_per_second"])
+    print(f"{MACHINE}; {CONFIG.num_parameters() / 1e6:.0f}M parameters")
+    print(f"checkpoint save  {timer.checkpoint_bytes / gigabyte:5.2f} GB  {save:6.2f} s"
+          f"  {results['save']['bytes_per_second'] / gigabyte:5.2f} GB/s")
+    print(f"checkpoint load  {timer.checkpoint_bytes / gigabyte:5.2f} GB  {load:6.2f} s"
+          f"  {results['load']['bytes_per_second'] / gigabyte:5.2f} GB/s")
+    for name in ("raw disk write", "safetensors save_file", "export_checkpoint"):
+        print(f"{name:22s} {export['bytes'] / gigabyte:5.2f} GB  {export[name]['median_seconds']:6.2f} s"
+              f"  {export[name]['bytes_per_second'] / gigabyte:5.2f} GB/s")
+    print(f"export / raw disk write: {results['ratio export / raw disk write']:.2f}")
+    Path(args.output).write_text(json.dumps(results, indent=2))
+    if args.folder is None:
+        shutil.rmtree(folder)
+
+
+if __name__ == "__main__":
+    main()
