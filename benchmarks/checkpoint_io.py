@@ -13,7 +13,8 @@ tp = 2; then, in the same session:
   baselines writing the same bytes: the raw disk (pre-made bytes in 64 MB writes, then fsync) and
   `safetensors.torch.save_file` of the merged tensors already in memory (then fsync).
 
-Save and load alternate over the rounds, as do export and its baselines; each figure is the median.
+Save and load alternate over the rounds; export and its baselines take turns, in an order rotated each
+round; each figure is the median.
 """
 
 from __future__ import annotations
@@ -81,8 +82,7 @@ def _between_barriers(strategy: Any, action: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
-def _raw_write(path: Path, total: int) -> None:
-    chunk = memoryview(torch.randint(0, 256, (_CHUNK,), dtype=torch.uint8).numpy())
+def _raw_write(path: Path, total: int, chunk: memoryview) -> None:
     with open(path, "wb") as file:
         for start in range(0, total, _CHUNK):
             file.write(chunk[: min(_CHUNK, total - start)])
@@ -97,20 +97,25 @@ def _timed(action: Callable[[], Any]) -> float:
 
 
 def _export_rounds(checkpoint: Path, folder: Path, rounds: int) -> dict[str, Any]:
-    """Export and its two baselines, alternated over `rounds`; the output is removed after each write."""
-    output = folder / "export"
+    """Export and its two baselines over `rounds`, the order rotated each round (on a shared disk the
+    writer that follows another is often slower); every output is removed after it is timed."""
+    output, raw, merged = folder / "export", folder / "raw.bin", folder / "merged.safetensors"
     export_bytes = export_checkpoint(checkpoint, output).total_bytes
+    shutil.rmtree(output)
     tensors = load_model_tensors(checkpoint)
-    seconds: dict[str, list[float]] = {"raw disk write": [], "safetensors save_file": [], "export_checkpoint": []}
-    for _ in range(rounds):
-        shutil.rmtree(output)
-        seconds["export_checkpoint"].append(_timed(lambda: export_checkpoint(checkpoint, output)))
-        raw = folder / "raw.bin"
-        seconds["raw disk write"].append(_timed(lambda: _raw_write(raw, export_bytes)))
-        raw.unlink()
-        merged = folder / "merged.safetensors"
-        seconds["safetensors save_file"].append(_timed(lambda: (save_file(tensors, str(merged)), _fsync(merged))))
-        merged.unlink()
+    chunk = memoryview(torch.randint(0, 256, (_CHUNK,), dtype=torch.uint8).numpy())
+    writers: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+        "raw disk write": (lambda: _raw_write(raw, export_bytes, chunk), raw.unlink),
+        "safetensors save_file": (lambda: (save_file(tensors, str(merged)), _fsync(merged)), merged.unlink),
+        "export_checkpoint": (lambda: export_checkpoint(checkpoint, output), lambda: shutil.rmtree(output)),
+    }
+    names = list(writers)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        for name in names[round_index % 3:] + names[: round_index % 3]:
+            write, remove = writers[name]
+            seconds[name].append(_timed(write))
+            remove()
     return {name: {"median_seconds": statistics.median(values), "rounds": values,
                    "bytes_per_second": export_bytes / statistics.median(values)}
             for name, values in seconds.items()} | {"bytes": export_bytes}
@@ -118,7 +123,7 @@ def _export_rounds(checkpoint: Path, folder: Path, rounds: int) -> dict[str, Any
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--folder", type=Path, default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--output", default="benchmarks/checkpoint_io_cpu.json")
     args = parser.parse_args()

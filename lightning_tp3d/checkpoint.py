@@ -411,11 +411,23 @@ def _load_weights_only(file: Path) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- consolidate
+class _IndexedReader(dcp.FileSystemReader):
+    """A DCP reader that hands out an index read before, instead of unpickling `.metadata` per load."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+
 class ModelTensorReader:
     """Whole model tensors of a checkpoint, merged from every shard, in this process alone.
 
-    The checkpoint is checked once (meta.json, DCP index, shard files); `load` then reads only the
-    requested tensors, so a caller asking for one name at a time streams the model (export does).
+    The checkpoint is checked and its DCP index read once (meta.json, index, shard files); `load` then
+    reads only the requested tensors, so a caller asking for one name at a time streams the model
+    (export does) without paying for the index on every call.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -423,6 +435,7 @@ class ModelTensorReader:
         read_meta(self.path)
         metadata = _read_index(self.path)
         _check_shard_files(self.path, metadata)
+        self._metadata = metadata
         prefix = MODEL_GROUP + "."
         self.shapes: dict[str, tuple[torch.Size, torch.dtype]] = {
             key.removeprefix(prefix): (entry.size, entry.properties.dtype)
@@ -437,7 +450,7 @@ class ModelTensorReader:
         tensors = {f"{MODEL_GROUP}.{name}": torch.empty(self.shapes[name][0], dtype=self.shapes[name][1])
                    for name in names}
         with _single_process_notice_silenced():
-            dcp.load(tensors, checkpoint_id=self.path, no_dist=True)
+            dcp.load(tensors, storage_reader=_IndexedReader(self.path, self._metadata), no_dist=True)
         return {key.removeprefix(MODEL_GROUP + "."): tensor for key, tensor in tensors.items()}
 
 

@@ -28,7 +28,9 @@ import math
 import os
 import shutil
 import struct
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,7 +183,7 @@ def _write_safetensors(folder: Path, entries: list[tuple[str, tuple[int, ...]]],
     a file of its own), loading one tensor at a time with `load` and writing its bytes straight to disk.
 
     The files are planned from the shapes before any tensor is read, so every header is known up front
-    and no shard is ever held in memory: the peak is the tensor being written. Format: 8-byte
+    and no shard is ever held in memory (see `_write_tensors` for the peak). Format: 8-byte
     little-endian header length, the JSON header padded to 8 bytes, then the raw little-endian data.
     """
     element = torch.empty((), dtype=dtype).element_size()
@@ -198,6 +200,7 @@ def _write_safetensors(folder: Path, entries: list[tuple[str, tuple[int, ...]]],
     names = ["model.safetensors"] if count == 1 else [f"model-{index:05d}-of-{count:05d}.safetensors"
                                                        for index in range(1, count + 1)]
     header_metadata = {"format": "pt", **(metadata or {})}
+    largest = max(size for shard in shards for _, _, size in shard)
     total, weight_map = 0, {}
     for file_name, shard in zip(names, shards):
         header: dict[str, Any] = {"__metadata__": header_metadata}
@@ -212,11 +215,7 @@ def _write_safetensors(folder: Path, entries: list[tuple[str, tuple[int, ...]]],
         with open(folder / file_name, "wb") as file:
             file.write(struct.pack("<Q", len(encoded)))
             file.write(encoded)
-            for name, shape, size in shard:
-                tensor = load(name).to(dtype).contiguous()
-                if tuple(tensor.shape) != shape:
-                    raise ValueError(f"{name}: expected shape {list(shape)}, got {list(tensor.shape)}.")
-                file.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            _write_tensors(file, shard, dtype, load, largest)
             file.flush()
             os.fsync(file.fileno())  # on disk before the folder is renamed into place
         total += offset
@@ -224,6 +223,40 @@ def _write_safetensors(folder: Path, entries: list[tuple[str, tuple[int, ...]]],
         index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / SAFETENSORS_INDEX).write_text(json.dumps(index_file, indent=2))
     return tuple(names), total
+
+
+def _write_tensors(file: Any, shard: list[tuple[str, tuple[int, ...], int]], dtype: torch.dtype,
+                   load: Callable[[str], torch.Tensor], in_flight_limit: int) -> None:
+    """Write the shard's tensors in order, a writer thread writing while this one loads the next tensor.
+
+    The tensors handed to the writer and not yet written plus the one being loaded stay within
+    `in_flight_limit` bytes (the largest tensor), so overlapping reading and writing adds no memory to
+    the serial peak: loading one tensor briefly holds it twice (the read bytes and the result)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp3d-export") as writer:
+        pending: deque[tuple[Future[None], int]] = deque()
+        for name, shape, size in shard:
+            while pending and sum(queued for _, queued in pending) + size > in_flight_limit:
+                pending.popleft()[0].result()
+            tensor = load(name).to(dtype).contiguous()
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{name}: expected shape {list(shape)}, got {list(tensor.shape)}.")
+            pending.append((writer.submit(_write_tensor, file, tensor), size))
+        for future, _ in pending:
+            future.result()
+
+
+def _write_tensor(file: Any, tensor: torch.Tensor) -> None:
+    file.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    _start_writeback(file)
+
+
+def _start_writeback(file: Any) -> None:
+    """Have the kernel start writing what `file` holds so far to disk while the next tensor is read
+    (Linux: POSIX_FADV_DONTNEED writes dirty pages back asynchronously, then drops them from the cache),
+    so the final fsync finds little left to do. Elsewhere the fsync does all the writing."""
+    if hasattr(os, "posix_fadvise"):
+        file.flush()
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 # ---------------------------------------------------------------------------------------------- read
