@@ -26,6 +26,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -124,20 +125,22 @@ def _export_rounds(checkpoint: Path, folder: Path, rounds: int) -> dict[str, Any
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--num-layers", type=int, default=CONFIG.num_hidden_layers, help="decoder layers (a smaller run)")
     parser.add_argument("--folder", type=Path, default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--output", default="benchmarks/checkpoint_io_cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    config = replace(CONFIG, num_hidden_layers=args.num_layers)
     folder = Path(args.folder or tempfile.mkdtemp(prefix="tp3d-io-"))
     timer = SaveLoadTimer(folder, args.rounds)
     trainer = benchmark_trainer(2, TP3DStrategy(tensor_parallel_size=2), 1, [timer])
-    trainer.fit(CausalLMModule(CONFIG), TokenDataModule(seq_len=32, batch_size=2))
+    trainer.fit(CausalLMModule(config), TokenDataModule(seq_len=32, batch_size=2))
     if trainer.global_rank != 0:
         return
     gigabyte = 1e9
     save, load = statistics.median(timer.save_seconds), statistics.median(timer.load_seconds)
     results: dict[str, Any] = {
-        "machine": MACHINE, "parameters": CONFIG.num_parameters(), "checkpoint_bytes": timer.checkpoint_bytes,
+        "machine": MACHINE, "parameters": config.num_parameters(), "checkpoint_bytes": timer.checkpoint_bytes,
         "save": {"median_seconds": save, "rounds": timer.save_seconds,
                  "bytes_per_second": timer.checkpoint_bytes / save},
         "load": {"median_seconds": load, "rounds": timer.load_seconds,
@@ -147,7 +150,7 @@ def main() -> None:
     export = results["export"]
     results["ratio export / raw disk write"] = (export["export_checkpoint"]["bytes_per_second"]
                                                 / export["raw disk write"]["bytes_per_second"])
-    print(f"{MACHINE}; {CONFIG.num_parameters() / 1e6:.0f}M parameters")
+    print(f"{MACHINE}; {config.num_parameters() / 1e6:.0f}M parameters")
     print(f"checkpoint save  {timer.checkpoint_bytes / gigabyte:5.2f} GB  {save:6.2f} s"
           f"  {results['save']['bytes_per_second'] / gigabyte:5.2f} GB/s")
     print(f"checkpoint load  {timer.checkpoint_bytes / gigabyte:5.2f} GB  {load:6.2f} s"

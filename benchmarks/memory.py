@@ -89,6 +89,8 @@ def _compare(result: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=[",".join(map(str, layout)) for layout in LAYOUTS],
+                        help="tp,pp,dp,mode of each layout to measure (default: nine layouts up to 2x2x2)")
     parser.add_argument("--layout", help="tp,pp,dp,mode: measure one layout (the parent runs each this way)")
     parser.add_argument("--result", type=Path, help="where a --layout run writes its measurements")
     parser.add_argument("--output", default="benchmarks/memory_cpu.json")
@@ -99,7 +101,7 @@ def main() -> None:
         return
     results = {}
     with tempfile.TemporaryDirectory() as folder:
-        for tp, pp, dp, mode in LAYOUTS:
+        for tp, pp, dp, mode in (layout.split(",") for layout in args.layouts):
             result_file = Path(folder) / "result.json"
             child = subprocess.run([sys.executable, __file__, "--layout", f"{tp},{pp},{dp},{mode}", "--result",
                                     str(result_file)], capture_output=True, text=True)

@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--output", default="benchmarks/results_cpu.json")
+    parser.add_argument("--output", default="benchmarks/step_time_cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     baselines = {
