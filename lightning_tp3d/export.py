@@ -4,9 +4,10 @@
   load as is: `config.json` (`LlamaForCausalLM`) and `model.safetensors`, or numbered shards
   `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`. It streams: the files and
   their headers are planned from the checkpoint's shapes, then each tensor is merged from the
-  checkpoint's shards alone (`ModelTensorReader`), converted and written straight to its file, so
-  memory stays near the largest tensor whatever the model size (no shard is buffered). The folder is
-  written as `<out>.partial` and renamed when complete.
+  checkpoint's shards alone (`ModelTensorReader`), converted and written straight to its file (by a
+  writer thread, while the next tensor is read), so memory stays near twice the largest tensor whatever
+  the model size (no shard is buffered). Files are fsynced, the folder is written as `<out>.partial`
+  and renamed when complete.
 * `write_deploy_shards` splits such a folder for an N-way tensor-parallel server with the training
   plan's rules (one ledger from training to serving): column-parallel weights (q, k, v, gate, up and
   the head) along dim 0, row-parallel ones (o, down) along dim 1, the vocab-parallel embedding along dim 0
@@ -230,8 +231,8 @@ def _write_tensors(file: Any, shard: list[tuple[str, tuple[int, ...], int]], dty
     """Write the shard's tensors in order, a writer thread writing while this one loads the next tensor.
 
     The tensors handed to the writer and not yet written plus the one being loaded stay within
-    `in_flight_limit` bytes (the largest tensor), so overlapping reading and writing adds no memory to
-    the serial peak: loading one tensor briefly holds it twice (the read bytes and the result)."""
+    `in_flight_limit` bytes (the largest tensor). Loading a tensor of s bytes briefly holds it twice (the
+    read bytes and the result), so the peak is at most limit - s + 2 s <= 2 x limit, the serial bound."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp3d-export") as writer:
         pending: deque[tuple[Future[None], int]] = deque()
         for name, shape, size in shard:

@@ -271,7 +271,8 @@ def test_large_export_is_sharded_streamed_and_loads(tmp_path):
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(hf_tensor_names(LARGE)) and index["metadata"]["total_size"] == model_bytes
     # Streaming, no shard buffered: the process grows by two copies of the largest tensor, the one being
-    # assembled and DCP's deserialised piece (measured 2.0-2.1 x 16.8 MB, for a 134 MB model, 24 MB shards).
+    # assembled and DCP's deserialised piece, or tensors queued for the writer thread within that bound
+    # (measured 2.2 x 16.8 MB, for a 134 MB model, 24 MB shards).
     assert measured["growth_bytes"] <= 2.5 * largest, (measured, model_bytes, largest)
     assert measured["growth_bytes"] < model_bytes / 3
     served = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
