@@ -1,14 +1,18 @@
-"""What the benchmark scripts share: the CPU benchmark model, the machine, a Trainer that only trains."""
+"""What the benchmark scripts share: the CPU benchmark model, the machine, a Trainer that only trains and a
+step recorder."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
 
 from lightning_tp3d import ModelConfig
 
-__all__ = ["CONFIG", "MACHINE", "benchmark_trainer"]
+__all__ = ["CONFIG", "MACHINE", "StepRecorder", "benchmark_trainer"]
 
 # The reference decoder at a size two CPU cores train in well under a second per step.
 CONFIG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -23,3 +27,35 @@ def benchmark_trainer(devices: int, strategy: Any, max_steps: int, callbacks: li
     return L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0, **kwargs)
+
+
+class StepRecorder(Callback):
+    """Each training step's wall time (a GPU synchronised at both ends), loss, pipeline idle fraction
+    (`TP3DStrategy.pipeline_timing`, when pipelining) and, with `keep_batches`, a copy of its batch."""
+
+    def __init__(self, keep_batches: bool = False) -> None:
+        self.keep_batches = keep_batches
+        self.batches: list[dict[str, torch.Tensor]] = []
+        self.seconds: list[float] = []
+        self.losses: list[float] = []
+        self.idle: list[float] = []
+        self._started = 0.0
+
+    @staticmethod
+    def _synchronize(trainer: L.Trainer) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, *args: Any) -> None:
+        if self.keep_batches:
+            self.batches.append({key: value.clone() for key, value in batch.items()})
+        self._synchronize(trainer)
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self._synchronize(trainer)
+        self.seconds.append(time.perf_counter() - self._started)
+        self.losses.append(float(outputs["loss"]))
+        timing = getattr(trainer.strategy, "pipeline_timing", None)
+        if timing is not None:
+            self.idle.append(timing.idle_fraction)

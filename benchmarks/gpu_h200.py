@@ -20,16 +20,13 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback
 
-from common import benchmark_trainer
+from common import StepRecorder, benchmark_trainer
 
 from lightning_tp3d import ModelConfig, TP3DStrategy
 from lightning_tp3d.config import resolve_model_config
@@ -41,32 +38,6 @@ from lightning_tp3d.models import CausalLMModule
 ONE_BILLION = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                           num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
 H200_BF16_DENSE_TFLOPS = 989.0
-
-
-class StepRecorder(Callback):
-    """Each training step's batch, loss and wall time, the device synchronised at both ends."""
-
-    def __init__(self, keep_batches: bool = False) -> None:
-        self.keep_batches = keep_batches
-        self.batches: list[dict[str, torch.Tensor]] = []
-        self.losses: list[float] = []
-        self.seconds: list[float] = []
-        self._started = 0.0
-
-    def _synchronize(self, trainer: L.Trainer) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, *args: Any) -> None:
-        if self.keep_batches:
-            self.batches.append({key: value.clone() for key, value in batch.items()})
-        self._synchronize(trainer)
-        self._started = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self._synchronize(trainer)
-        self.seconds.append(time.perf_counter() - self._started)
-        self.losses.append(float(outputs["loss"]))
 
 
 def parity(accelerator: str, steps: int) -> dict[str, Any]:
@@ -91,8 +62,12 @@ def parity(accelerator: str, steps: int) -> dict[str, Any]:
             "max_loss_difference": max(abs(a - b) for a, b in zip(recorder.losses, losses))}
 
 
+def _model_config(name: str) -> ModelConfig:
+    return ONE_BILLION if name == "1b" else resolve_model_config(name)
+
+
 def throughput(args: argparse.Namespace, token_file: Path) -> dict[str, Any]:
-    config = ONE_BILLION if args.model == "1b" else resolve_model_config(args.model)
+    config = _model_config(args.model)
     recorder = StepRecorder()
     trainer = benchmark_trainer(1, TP3DStrategy(), args.warmup + args.steps, [recorder], args.accelerator,
                                 precision=args.precision)
@@ -140,7 +115,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         token_file = Path(folder) / "tokens.npy"
         tokens_needed = (args.warmup + args.steps + 1) * args.micro_batch * (args.seq_len + 1) * 2
-        vocab = (ONE_BILLION if args.model == "1b" else resolve_model_config(args.model)).vocab_size
+        vocab = _model_config(args.model).vocab_size
         np.save(token_file, np.random.default_rng(0).integers(0, vocab, tokens_needed, dtype=np.int64))
         results["throughput"] = throughput(args, token_file)
     run = results["throughput"]

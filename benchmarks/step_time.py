@@ -18,37 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-from common import CONFIG, benchmark_trainer
+from common import CONFIG, StepRecorder, benchmark_trainer
 
 from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.parallel.tensor import apply_tensor_parallel, llama_tp_plan
-
-
-class StepTimer(Callback):
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self.idle: list[float] = []
-        self._started = 0.0
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self._started = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.seconds.append(time.perf_counter() - self._started)
-        timing = getattr(trainer.strategy, "pipeline_timing", None)
-        if timing is not None:
-            self.idle.append(timing.idle_fraction)
 
 
 def _tensor_parallel(module: CausalLMModule, mesh: Any) -> CausalLMModule:
@@ -57,7 +38,7 @@ def _tensor_parallel(module: CausalLMModule, mesh: Any) -> CausalLMModule:
 
 
 def _run(strategy: Any, steps: int, batch: int, seq_len: int) -> dict[str, Any]:
-    timer = StepTimer()
+    timer = StepRecorder()
     trainer = benchmark_trainer(2, strategy, steps, [timer])
     module = CausalLMModule(CONFIG)
     if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, TP3DStrategy):

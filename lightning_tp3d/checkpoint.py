@@ -432,7 +432,7 @@ class ModelTensorReader:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        read_meta(self.path)
+        self.meta = read_meta(self.path)
         metadata = _read_index(self.path)
         _check_shard_files(self.path, metadata)
         self._metadata = metadata

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_tp3d.checkpoint import load_model_tensors, read_meta
+from lightning_tp3d.checkpoint import ModelTensorReader
 from lightning_tp3d.config import ModelConfig
 from lightning_tp3d.export import load_hf_weights
 from lightning_tp3d.models.llama import LlamaForCausalLM
@@ -135,11 +135,11 @@ def compare_models(reference: nn.Module, candidate: nn.Module, prompts: Sequence
 
 def model_from_checkpoint(checkpoint: str | Path) -> LlamaForCausalLM:
     """The reference decoder with a checkpoint's whole weights (any layout), in this process."""
-    meta = read_meta(checkpoint)
-    model = LlamaForCausalLM(ModelConfig.from_dict(meta.model_config or {}))
-    prefix = meta.network_prefix
+    reader = ModelTensorReader(checkpoint)
+    model = LlamaForCausalLM(ModelConfig.from_dict(reader.meta.model_config or {}))
+    prefix = reader.meta.network_prefix
     names = [prefix + name for name in model.state_dict()]
-    state = {name.removeprefix(prefix): tensor for name, tensor in load_model_tensors(checkpoint, names).items()}
+    state = {name.removeprefix(prefix): tensor for name, tensor in reader.load(names).items()}
     model.load_state_dict(state)
     return model.eval()
 

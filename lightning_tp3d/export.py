@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from lightning_tp3d.checkpoint import CheckpointError, ModelTensorReader, read_meta
+from lightning_tp3d.checkpoint import CheckpointError, ModelTensorReader
 from lightning_tp3d.config import ModelConfig
 from lightning_tp3d.ledger import deploy_problem
 from lightning_tp3d.units import parse_size
@@ -132,7 +132,8 @@ def export_checkpoint(
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(EXPORT_DTYPES)}.")
     checkpoint, output = Path(checkpoint), Path(output)
-    meta = read_meta(checkpoint)
+    reader = ModelTensorReader(checkpoint)  # checked once, then read one tensor at a time
+    meta = reader.meta
     if meta.model_config is None:
         raise CheckpointError(
             f"{checkpoint} records no model config (its network has no `config` with Hugging Face names), so the"
@@ -143,7 +144,6 @@ def export_checkpoint(
         _check_deploy_tp(config, deploy_tp)
     names = hf_tensor_names(config)
     prefix = meta.network_prefix
-    reader = ModelTensorReader(checkpoint)  # checked once, then read one tensor at a time
     shapes = {name.removeprefix(prefix): tuple(shape) for name, (shape, _) in reader.shapes.items()
               if name.startswith(prefix)}
     missing = [name for name in names if name not in shapes]

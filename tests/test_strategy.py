@@ -144,8 +144,8 @@ def run_world() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def world_results() -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for world_size in SCENARIOS:
-        per_rank = run_distributed(world_size, "tests.test_strategy:run_world")
+    for world in SCENARIOS:
+        per_rank = run_distributed(world, "tests.test_strategy:run_world")
         results.update(per_rank[0])
     return results
 
