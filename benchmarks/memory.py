@@ -87,21 +87,30 @@ def _compare(result: dict[str, Any]) -> dict[str, Any]:
     return worst
 
 
+def _layout(text: str) -> tuple[int, int, int, str]:
+    """`tp,pp,dp,mode` as a tuple, or an argparse error that shows the expected form."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(part.isdigit() and int(part) > 0 for part in parts[:3]) \
+            or parts[3] not in ("replicate", "fsdp"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not tp,pp,dp,mode with positive sizes and mode replicate or fsdp, e.g. 2,1,2,fsdp")
+    return int(parts[0]), int(parts[1]), int(parts[2]), parts[3]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=[",".join(map(str, layout)) for layout in LAYOUTS],
+    parser.add_argument("--layouts", nargs="+", type=_layout, default=LAYOUTS,
                         help="tp,pp,dp,mode of each layout to measure (default: nine layouts up to 2x2x2)")
-    parser.add_argument("--layout", help="tp,pp,dp,mode: measure one layout (the parent runs each this way)")
+    parser.add_argument("--layout", type=_layout, help="tp,pp,dp,mode: measure one layout (the parent runs each this way)")
     parser.add_argument("--result", type=Path, help="where a --layout run writes its measurements")
     parser.add_argument("--output", default="benchmarks/memory_cpu.json")
     args = parser.parse_args()
     if args.layout:
-        tp, pp, dp, mode = args.layout.split(",")
-        _measure(int(tp), int(pp), int(dp), mode, args.result)
+        _measure(*args.layout, args.result)
         return
     results = {}
     with tempfile.TemporaryDirectory() as folder:
-        for tp, pp, dp, mode in (layout.split(",") for layout in args.layouts):
+        for tp, pp, dp, mode in args.layouts:
             result_file = Path(folder) / "result.json"
             child = subprocess.run([sys.executable, __file__, "--layout", f"{tp},{pp},{dp},{mode}", "--result",
                                     str(result_file)], capture_output=True, text=True)
