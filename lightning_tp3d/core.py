@@ -236,8 +236,10 @@ class ParallelCore:
         if self._recompute[0] != "none":
             self._apply_recompute(network, pipeline_plan)
         if self.data_parallel_mode == "fsdp":
-            # Under pipelining each stage module is called directly, so each is an FSDP root of its own.
-            apply_fsdp(stage_modules or [network], self.mesh["dp"], self.blocks(network))
+            # Under pipelining each stage module is called directly, so each is an FSDP root of its own,
+            # and its parameters stay gathered through the step's micro-batches (see `apply_fsdp`).
+            apply_fsdp(stage_modules or [network], self.mesh["dp"], self.blocks(network),
+                       reshard_after_forward=pipeline_plan is None)
         if pipeline_plan is not None:
             self._install_pipeline(network, pipeline_plan, stage_modules, loss_scale, device)
         self._parallelized = network

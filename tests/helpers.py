@@ -119,17 +119,21 @@ def reference_run(
     validate_batch_size: int | None = None,
     build_network: Callable[[], nn.Module] = reference_network,
     autocast_dtype: torch.dtype | None = None,
+    accumulate: int = 1,
 ) -> dict[str, Any]:
     """Plain single-process PyTorch: the same network, data order and AdamW as the module, no Lightning.
 
     Each step takes the next `global_batch_size` windows of the epoch's permutation, which is exactly the
     union of what the dp ranks' DistributedSamplers hand out in that step. With `autocast_dtype` the
-    forward runs under `torch.autocast("cpu", dtype=autocast_dtype)` (fp32 weights and optimizer)."""
+    forward runs under `torch.autocast("cpu", dtype=autocast_dtype)` (fp32 weights and optimizer).
+
+    With `accumulate` = k, `last_batch_losses` holds what a run accumulating k batches per step logs: the
+    loss of the last k-th of each step's samples (its dp ranks' last batches), before the update."""
     model = build_network()
     data = TokenDataModule(seq_len=SEQ_LEN, batch_size=global_batch_size, val_fraction=0.2)
     data.setup()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
-    losses, first_grads = [], None
+    losses, last_batch_losses, first_grads = [], [], None
     order = _training_sample_order(len(data.train_dataset))
     for step in range(steps):
         samples = [data.train_dataset[int(i)] for i in order[step * global_batch_size : (step + 1) * global_batch_size]]
@@ -138,6 +142,10 @@ def reference_run(
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
             loss = model(input_ids, labels=labels)
+            if accumulate > 1:
+                with torch.no_grad():
+                    last = global_batch_size - global_batch_size // accumulate
+                    last_batch_losses.append(model(input_ids[last:], labels=labels[last:]).item())
         loss.backward()
         if first_grads is None:
             first_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
@@ -145,7 +153,7 @@ def reference_run(
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         optimizer.step()
         losses.append(loss.item())
-    result = {"losses": losses, "first_grads": first_grads,
+    result = {"losses": losses, "last_batch_losses": last_batch_losses, "first_grads": first_grads,
               "final_params": {name: p.detach().clone() for name, p in model.named_parameters()}}
     if validate_batch_size is not None:
         result["val_loss"] = reference_validation_loss(model, data, batch_size=validate_batch_size)

@@ -8,6 +8,8 @@ Two modes:
   are reduced) and with pipeline stages (each stage reduces its own parameters).
 * `"fsdp"` (ZeRO-3): FSDP2 `fully_shard` on each block and then on the root; parameters, gradients
   and optimizer state are split along dim 0 across dp ranks and the gradients reduce-scattered.
+  Under pipelining a stage's parameters stay gathered for the whole step (gathered once per step,
+  not once per micro-batch, as torchtitan does; see `apply_fsdp`).
 """
 
 from __future__ import annotations
@@ -29,13 +31,22 @@ DataParallelMode = Literal["replicate", "fsdp"]
 DATA_PARALLEL_MODES: tuple[str, ...] = ("replicate", "fsdp")
 
 
-def apply_fsdp(roots: Iterable[nn.Module], dp_mesh: DeviceMesh, blocks: Iterable[nn.Module]) -> None:
+def apply_fsdp(roots: Iterable[nn.Module], dp_mesh: DeviceMesh, blocks: Iterable[nn.Module],
+               reshard_after_forward: bool = True) -> None:
     """FSDP2 over `dp_mesh`: one unit per block (so only one block is gathered at a time), then each root
-    (the model, or every pipeline stage module), which takes the parameters outside the blocks."""
+    (the model, or every pipeline stage module), which takes the parameters outside the blocks.
+
+    `reshard_after_forward=False` keeps a unit's parameters gathered from its first forward until the
+    end of the step's backward. Pipelining needs it: a schedule runs the forwards of several
+    micro-batches between a unit's forward and its backward, and the zero-bubble schedules compute the
+    weight gradients in a separate pass after the input gradients. Resharding in between regathers the
+    parameters once per micro-batch and, with the split backward (torch 2.13), leaves the weight
+    gradients on parameters FSDP has already swapped out: they come back wrong or missing.
+    """
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     for root in roots:
-        fully_shard(root, mesh=dp_mesh)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
 
 
 def _local_gradient(parameter: nn.Parameter) -> torch.Tensor | None:

@@ -1,0 +1,131 @@
+"""The configuration matrix: every pipeline schedule x data-parallel mode x tensor-parallel size trains
+exactly like one process.
+
+Grid: the seven schedules x {replicate, fsdp} x tp in {1, 2} at pp = 2 and dp = 2 (worlds of 4 and 8
+processes, each spawned once), plus corners: gradient accumulation, full recompute, explicit
+`layers_per_stage`, `stages_per_rank = 3`, tied embeddings under tp. For every configuration, on every
+rank (each dp replica, each stage): the losses of 5 steps and every gradient the rank holds after
+step 1 against the single-process reference, per tensor with `torch.testing.assert_close`
+(rtol 1e-5, atol 1e-7, fp32).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_tp3d import ModelConfig, TP3DStrategy
+from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.models import CausalLMModule
+from lightning_tp3d.parallel.pipeline import PIPELINE_SCHEDULES
+from tests.distributed import run_distributed
+from tests.helpers import (LEARNING_RATE, SEQ_LEN, CaptureGradients, MemoryLogger, reference_run, trainer_kwargs,
+                           world_size)
+
+RTOL, ATOL = 1e-5, 1e-7
+STEPS = 5
+GLOBAL_BATCH = 8
+SIX_LAYERS = ModelConfig(num_hidden_layers=6)
+TIED = ModelConfig(tie_word_embeddings=True)
+
+
+def _configuration(tp: int, schedule: str, mode: str, **extra: Any) -> dict[str, Any]:
+    return dict(tp=tp, pp=2, schedule=schedule, mode=mode, microbatches=4 if schedule == "dualpipev" else 2, **extra)
+
+
+GRID: dict[int, dict[str, dict[str, Any]]] = {
+    world: {f"tp{tp}-{schedule}-{mode}": _configuration(tp, schedule, mode)
+            for schedule in PIPELINE_SCHEDULES for mode in ("replicate", "fsdp")}
+    for world, tp in ((4, 1), (8, 2))
+}
+CORNERS: dict[int, dict[str, dict[str, Any]]] = {
+    4: {"tp1-1f1b-fsdp-layers-1-3": _configuration(1, "1f1b", "fsdp", layers_per_stage=(1, 3)),
+        "tp1-interleaved_1f1b-replicate-3-stages-per-rank": _configuration(
+            1, "interleaved_1f1b", "replicate", stages_per_rank=3, model=SIX_LAYERS),
+        "tp1-looped_bfs-fsdp-3-stages-per-rank": _configuration(
+            1, "looped_bfs", "fsdp", stages_per_rank=3, model=SIX_LAYERS),
+        "tp2-pp1-replicate-tied": dict(tp=2, pp=1, mode="replicate", model=TIED),
+        "tp2-pp1-fsdp-tied": dict(tp=2, pp=1, mode="fsdp", model=TIED)},
+    8: {"tp2-1f1b-fsdp-accumulate-2": _configuration(2, "1f1b", "fsdp", accumulate=2),
+        "tp2-zbv_zero_bubble-replicate-accumulate-2": _configuration(2, "zbv_zero_bubble", "replicate", accumulate=2),
+        "tp2-interleaved_zero_bubble-fsdp-recompute": _configuration(2, "interleaved_zero_bubble", "fsdp",
+                                                                     recompute="full"),
+        "tp2-interleaved_1f1b-replicate-recompute": _configuration(2, "interleaved_1f1b", "replicate",
+                                                                   recompute="full")},
+}
+CONFIGURATIONS = {name: configuration for table in (GRID, CORNERS) for world in table
+                  for name, configuration in table[world].items()}
+
+
+def _fit(tp: int, mode: str, pp: int = 2, schedule: str = "1f1b", microbatches: int = 2, accumulate: int = 1,
+         model: ModelConfig | str = "tiny", **options: Any) -> dict[str, Any]:
+    world = world_size()
+    dp = world // (tp * pp)
+    logger, capture = MemoryLogger(), CaptureGradients()
+    strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_schedule=schedule,
+                            num_microbatches=microbatches, data_parallel_mode=mode, **options)
+    trainer = L.Trainer(**trainer_kwargs(devices=world, strategy=strategy, logger=logger, callbacks=[capture],
+                                         max_steps=STEPS, accumulate_grad_batches=accumulate))
+    module = CausalLMModule(model, learning_rate=LEARNING_RATE)
+    trainer.fit(module, TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp // accumulate,
+                                        val_fraction=0.2))
+    return {"losses": logger.values("train_loss"), "first_grads": capture.first_grads}
+
+
+def run_world(world: int) -> dict[str, Any]:
+    return {name: _fit(**configuration) for table in (GRID, CORNERS) for name, configuration in table[world].items()}
+
+
+@pytest.fixture(scope="module")
+def world_results() -> dict[str, list[dict[str, Any]]]:
+    results: dict[str, list[dict[str, Any]]] = {}
+    for world in GRID:
+        per_rank = run_distributed(world, "tests.parallel.test_matrix:run_world", world)
+        for name in per_rank[0]:
+            results[name] = [rank_result[name] for rank_result in per_rank]
+    return results
+
+
+_REFERENCES: dict[str, dict[str, Any]] = {}
+
+
+def _reference(model: ModelConfig | str, accumulate: int) -> dict[str, Any]:
+    key = f"{model!r}-{accumulate}"
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(
+            STEPS, GLOBAL_BATCH, accumulate=accumulate,
+            build_network=lambda: _built(CausalLMModule(model, learning_rate=LEARNING_RATE)))
+    return _REFERENCES[key]
+
+
+def _built(module: CausalLMModule) -> torch.nn.Module:
+    module.configure_model()
+    return module.model
+
+
+def test_grid_covers_every_schedule_mode_and_tp_size():
+    covered = {(c["tp"], c["schedule"], c["mode"]) for c in CONFIGURATIONS.values() if c["pp"] == 2}
+    assert covered >= {(tp, schedule, mode) for tp in (1, 2) for schedule in PIPELINE_SCHEDULES
+                       for mode in ("replicate", "fsdp")}
+
+
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_losses_and_every_rank_gradients_match_single_process(world_results, name):
+    configuration = CONFIGURATIONS[name]
+    reference = _reference(configuration.get("model", "tiny"), configuration.get("accumulate", 1))
+    covered: set[str] = set()
+    # Accumulating k batches a step logs the loss of the step's last batch (the last k-th of its samples).
+    accumulate = configuration.get("accumulate", 1)
+    expected_losses = torch.tensor(reference["losses" if accumulate == 1 else "last_batch_losses"])
+    for rank, rank_result in enumerate(world_results[name]):
+        torch.testing.assert_close(torch.tensor(rank_result["losses"]), expected_losses, rtol=RTOL, atol=0.0,
+                                   msg=lambda message: f"{name} rank {rank} losses: {message}")
+        for key, gradient in rank_result["first_grads"].items():
+            torch.testing.assert_close(gradient, reference["first_grads"][key], rtol=RTOL, atol=ATOL,
+                                       msg=lambda message: f"{name} rank {rank} gradient {key}: {message}")
+        covered.update(rank_result["first_grads"])
+    assert covered == reference["first_grads"].keys(), f"{name}: the ranks' stages do not cover the model"
+    assert reference["losses"][-1] < reference["losses"][0], "the reference itself must learn"
