@@ -33,9 +33,26 @@ from lightning_tp3d.consistency import (
     run_with_layer_outputs,
 )
 from lightning_tp3d.checkpoint import read_meta
-from lightning_tp3d.export import ExportResult, export_checkpoint
+from lightning_tp3d.export import DEPLOY_SHARDS, HF_EXPORT, ExportResult, deploy_folder, export_checkpoint
+from lightning_tp3d.folders import check_output_folder
 
 __all__ = ["ConsistencyCheck", "ExportCallback"]
+
+
+def _check_outputs(trainer: L.Trainer, output: Path, deploy_tp: int | None, overwrite: bool) -> None:
+    """Refuse, before training, an export folder holding what this package did not write (rank 0 looks,
+    every rank raises)."""
+    problem = None
+    if trainer.is_global_zero:
+        try:
+            check_output_folder(output, HF_EXPORT, overwrite)
+            if deploy_tp is not None:
+                check_output_folder(deploy_folder(output, deploy_tp), DEPLOY_SHARDS, overwrite)
+        except FileExistsError as error:
+            problem = str(error)
+    problem = trainer.strategy.broadcast(problem)
+    if problem is not None:
+        raise FileExistsError(problem)
 
 
 def _export_live_model(trainer: L.Trainer, output: Path, **options: Any) -> ExportResult | None:
@@ -60,16 +77,22 @@ class ExportCallback(Callback):
         output: the folder of the final export.
         dtype / max_shard_size / deploy_tp: as `tp3d export`.
         every_n_checkpoints: also export every n-th saved checkpoint (None: only at the end).
+        overwrite: replace `output` even if it holds files that are not an earlier export (checked when
+            fit starts; by default such a folder is refused before training).
     """
 
     def __init__(self, output: str | Path, dtype: str = "fp32", max_shard_size: str | int = "5GB",
-                 deploy_tp: int | None = None, every_n_checkpoints: int | None = None) -> None:
+                 deploy_tp: int | None = None, every_n_checkpoints: int | None = None, overwrite: bool = False) -> None:
         self.output = Path(output)
-        self.options = {"dtype": dtype, "max_shard_size": max_shard_size, "deploy_tp": deploy_tp}
+        self.options = {"dtype": dtype, "max_shard_size": max_shard_size, "deploy_tp": deploy_tp,
+                        "overwrite": overwrite}
         self.every_n_checkpoints = every_n_checkpoints
         self.result: ExportResult | None = None
         self._saves = 0
         self._exported_saves = 0
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        _check_outputs(trainer, self.output, self.options["deploy_tp"], self.options["overwrite"])
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._saves += 1
@@ -110,18 +133,23 @@ class ConsistencyCheck(Callback):
         prompt_lengths: lengths of the fixed prompts.
         use_transformers: load the export with transformers when it is installed.
         raise_on_failure: raise `RuntimeError` when the check fails (else a warning).
+        overwrite: as `ExportCallback`'s.
     """
 
     def __init__(self, output: str | Path, dtype: str = "fp32", tolerance: float | None = None,
                  prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS, use_transformers: bool = True,
-                 raise_on_failure: bool = True) -> None:
+                 raise_on_failure: bool = True, overwrite: bool = False) -> None:
         self.output = Path(output)
+        self.overwrite = overwrite
         self.dtype = dtype
         self.tolerance = TOLERANCES[dtype] if tolerance is None else tolerance
         self.prompt_lengths = tuple(prompt_lengths)
         self.use_transformers = use_transformers
         self.raise_on_failure = raise_on_failure
         self.report: ConsistencyReport | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        _check_outputs(trainer, self.output, None, self.overwrite)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         network = trainer.strategy.network
@@ -131,7 +159,7 @@ class ConsistencyCheck(Callback):
         network.eval()
         live = _gather_to_rank_zero(run_with_layer_outputs(network, prompts), trainer)
         network.train(was_training)
-        _export_live_model(trainer, self.output, dtype=self.dtype)
+        _export_live_model(trainer, self.output, dtype=self.dtype, overwrite=self.overwrite)
         if trainer.is_global_zero:
             exported = model_from_hf_folder(self.output, use_transformers=self.use_transformers)
             self.report = compare_outputs(live, run_with_layer_outputs(exported, [p.cpu() for p in prompts]),

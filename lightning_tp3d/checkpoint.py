@@ -16,9 +16,11 @@ pieces it holds (its pipeline stages, its tp slice, its FSDP shard), a checkpoin
 layout loads at any other. The `.pt` files hold only tensors, numbers, strings and containers and are
 read with `torch.load(..., weights_only=True)`; no value of the checkpoint is unpickled as an object.
 
-A save writes `<name>.partial` and renames it to `<name>` after every rank has finished, so an
-interrupted save never leaves a half-written folder under the checkpoint's name and an existing
-checkpoint of that name stays intact until the new one is complete. A save can run asynchronously:
+A save writes `<name>.partial` and moves it to `<name>` after every rank has finished, so an
+interrupted save never leaves a half-written folder under the checkpoint's name, and an existing
+checkpoint of that name is replaced without a moment at which neither exists (or, where the system
+cannot swap folders atomically, loading finds the complete one of the two by itself; see
+`lightning_tp3d.folders`). A save can run asynchronously:
 the tensors are copied to CPU memory and written by a background thread while training goes on.
 
 Example usage::
@@ -33,7 +35,6 @@ from __future__ import annotations
 import enum
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -47,6 +48,14 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from lightning_tp3d.folders import (
+    PARTIAL_SUFFIX,
+    REPLACED_SUFFIX,
+    finish_interrupted_replacement,
+    recovered_path,
+    replace_folder,
+    staging_folder,
+)
 from lightning_tp3d.random_state import capture_rng_state
 
 __all__ = [
@@ -54,6 +63,7 @@ __all__ = [
     "CheckpointMeta",
     "MODEL_GROUP",
     "ModelTensorReader",
+    "checkpoint_folder",
     "PendingSave",
     "load_checkpoint",
     "load_model_tensors",
@@ -68,8 +78,6 @@ FORMAT_VERSION = 1
 META_FILE = "meta.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 RNG_FOLDER = "rng"
-PARTIAL_SUFFIX = ".partial"
-_REPLACED_SUFFIX = ".replaced"
 MODEL_GROUP = "module"
 
 
@@ -146,8 +154,9 @@ def save_checkpoint(
     tensors, values = _split_tensors(state)
     values = _merge_on_rank_zero(values)
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        (partial / RNG_FOLDER).mkdir(parents=True)
+        finish_interrupted_replacement(path, _is_complete)
+        staging_folder(path, "checkpoint")
+        (partial / RNG_FOLDER).mkdir()
     _barrier()
     _save_synced(capture_rng_state(), partial / RNG_FOLDER / _rng_file_name(rank))
     if rank == 0:
@@ -185,7 +194,7 @@ class PendingSave:
                 file.write(self._meta.to_json())
                 file.flush()
                 os.fsync(file.fileno())
-            _replace(partial, self.path)
+            replace_folder(partial, self.path)
         _barrier()
 
 
@@ -209,18 +218,14 @@ def _merge_on_rank_zero(values: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _replace(partial: Path, path: Path) -> None:
-    """Rename the finished `partial` to `path`; an existing checkpoint there is removed only afterwards."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    if not path.exists():
-        partial.rename(path)
-        return
-    replaced = path.with_name(path.name + _REPLACED_SUFFIX)
-    shutil.rmtree(replaced, ignore_errors=True)
-    path.rename(replaced)
-    partial.rename(path)
-    shutil.rmtree(replaced)
+def _is_complete(folder: Path) -> bool:
+    return (folder / META_FILE).is_file()  # written last, after every rank finished
+
+
+def checkpoint_folder(path: str | Path) -> Path:
+    """The folder holding the checkpoint saved as `path`: `path`, or the complete folder of a replacement of
+    it that was interrupted between its two renames (see `lightning_tp3d.folders`)."""
+    return recovered_path(Path(path), _is_complete)
 
 
 def _save_synced(value: Any, file: Path) -> None:
@@ -283,8 +288,9 @@ def read_meta(path: str | Path) -> CheckpointMeta:
             f"{path} is an unfinished save (interrupted before every rank had written); load"
             f" {path.name.removesuffix(PARTIAL_SUFFIX)} or another complete checkpoint instead."
         )
+    path = checkpoint_folder(path)
     if not path.exists():
-        siblings = (path.with_name(path.name + PARTIAL_SUFFIX), path.with_name(path.name + _REPLACED_SUFFIX))
+        siblings = (path.with_name(path.name + PARTIAL_SUFFIX), path.with_name(path.name + REPLACED_SUFFIX))
         hints = [f" {sibling} exists: a save to this name was interrupted" for sibling in siblings if sibling.exists()]
         raise CheckpointError(f"Checkpoint {path} does not exist.{';'.join(hints)}")
     if not path.is_dir():
@@ -323,8 +329,8 @@ def load_checkpoint(
     files) and every requested tensor against the stored names and global shapes (another model).
     With `strict=False` model tensors missing from the checkpoint keep their values.
     """
-    path = Path(path)
     meta = read_meta(path)
+    path = checkpoint_folder(path)
     metadata = _read_index(path)
     _check_shard_files(path, metadata)
     tensors, _ = _split_tensors(state)
@@ -345,7 +351,7 @@ def load_checkpoint(
 
 
 def load_rng_state(path: str | Path, rank: int) -> dict[str, Any]:
-    return _load_weights_only(Path(path) / RNG_FOLDER / _rng_file_name(rank))
+    return _load_weights_only(checkpoint_folder(path) / RNG_FOLDER / _rng_file_name(rank))
 
 
 def _read_index(path: Path) -> Metadata:
@@ -431,8 +437,8 @@ class ModelTensorReader:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.meta = read_meta(self.path)
+        self.meta = read_meta(path)
+        self.path = checkpoint_folder(path)
         metadata = _read_index(self.path)
         _check_shard_files(self.path, metadata)
         self._metadata = metadata

@@ -151,6 +151,8 @@ def _export_parser(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--deploy-tp", type=int, default=None, metavar="N",
                         help="also write per-rank folders for an N-way tensor-parallel server")
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace OUTPUT even if it holds files that are not an earlier export")
     export.set_defaults(run=_run_export)
 
 
@@ -158,7 +160,7 @@ def _run_export(args: argparse.Namespace) -> int:
     from lightning_tp3d.export import export_checkpoint
 
     result = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                               deploy_tp=args.deploy_tp)
+                               deploy_tp=args.deploy_tp, overwrite=args.overwrite)
     print(f"wrote {result.folder}: {len(result.files)} file(s), {result.total_bytes:,} bytes of {args.dtype} tensors")
     if result.deploy_folder is not None:
         print(f"wrote {result.deploy_folder}: {args.deploy_tp} rank folders (vllm: --tensor-parallel-size"
@@ -258,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (LayoutError, ValueError, FileNotFoundError, KeyError, CheckpointError) as error:
+    except (LayoutError, ValueError, FileNotFoundError, FileExistsError, KeyError, CheckpointError) as error:
         print(f"tp3d {args.command}: error: {error}", file=sys.stderr)
         return 2
 

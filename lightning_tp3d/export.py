@@ -7,7 +7,8 @@
   checkpoint's shards alone (`ModelTensorReader`), converted and written straight to its file (by a
   writer thread, while the next tensor is read), so memory stays near twice the largest tensor whatever
   the model size (no shard is buffered). Files are fsynced, the folder is written as `<out>.partial`
-  and renamed when complete.
+  and moved under its name when complete, replacing an earlier export in one step; a folder that is
+  not an earlier export of this package is refused unless `overwrite=True` (`lightning_tp3d.folders`).
 * `write_deploy_shards` splits such a folder for an N-way tensor-parallel server with the training
   plan's rules (one ledger from training to serving): column-parallel weights (q, k, v, gate, up and
   the head) along dim 0, row-parallel ones (o, down) along dim 1, the vocab-parallel embedding along dim 0
@@ -45,12 +46,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from lightning_tp3d.checkpoint import CheckpointError, ModelTensorReader
 from lightning_tp3d.config import ModelConfig
+from lightning_tp3d.folders import check_output_folder, replace_folder, staging_folder
 from lightning_tp3d.ledger import deploy_problem
 from lightning_tp3d.units import parse_size
 
 __all__ = [
     "EXPORT_DTYPES",
     "ExportResult",
+    "deploy_folder",
     "deploy_split_dim",
     "export_checkpoint",
     "hf_config",
@@ -68,6 +71,7 @@ _KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _SAFETENSORS_TORCH_DTYPES = {value: key for key, value in _SAFETENSORS_DTYPES.items()}
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+HF_EXPORT, DEPLOY_SHARDS = "hf-export", "deploy-shards"  # kinds of folder this module writes
 
 
 @dataclass(frozen=True)
@@ -127,11 +131,18 @@ def export_checkpoint(
     dtype: str = "fp32",
     max_shard_size: str | int = "5GB",
     deploy_tp: int | None = None,
+    overwrite: bool = False,
 ) -> ExportResult:
-    """Merge a checkpoint of any (tp, pp, dp) into a Hugging Face folder, in this process alone."""
+    """Merge a checkpoint of any (tp, pp, dp) into a Hugging Face folder, in this process alone.
+
+    `output` may be new, empty or an earlier export (replaced whole once the new one is complete);
+    a folder holding anything else is refused unless `overwrite=True`, which replaces it."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(EXPORT_DTYPES)}.")
     checkpoint, output = Path(checkpoint), Path(output)
+    check_output_folder(output, HF_EXPORT, overwrite)
+    if deploy_tp is not None:
+        check_output_folder(deploy_folder(output, deploy_tp), DEPLOY_SHARDS, overwrite)
     reader = ModelTensorReader(checkpoint)  # checked once, then read one tensor at a time
     meta = reader.meta
     if meta.model_config is None:
@@ -159,21 +170,17 @@ def export_checkpoint(
     result = _write_hf_folder(output, config, [(name, shapes[name]) for name in names], load,
                               EXPORT_DTYPES[dtype], parse_size(max_shard_size))
     if deploy_tp is not None:
-        deploy = write_deploy_shards(output, deploy_tp, max_shard_size=max_shard_size)
+        deploy = write_deploy_shards(output, deploy_tp, max_shard_size=max_shard_size, overwrite=overwrite)
         result = ExportResult(result.folder, result.files, result.total_bytes, deploy)
     return result
 
 
 def _write_hf_folder(output: Path, config: ModelConfig, entries: list[tuple[str, tuple[int, ...]]],
                      load: Callable[[str], torch.Tensor], dtype: torch.dtype, max_shard_bytes: int) -> ExportResult:
-    partial = output.with_name(output.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = staging_folder(output, HF_EXPORT)
     files, total = _write_safetensors(partial, entries, dtype, load, max_shard_bytes)
     (partial / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2))
-    if output.exists():
-        shutil.rmtree(output)
-    partial.rename(output)
+    replace_folder(partial, output)
     return ExportResult(output, files, total)
 
 
@@ -311,25 +318,29 @@ def _check_deploy_tp(config: ModelConfig, tensor_parallel_size: int) -> None:
         raise ValueError(f"--deploy-tp {tensor_parallel_size} is not valid for this model: {problem}.")
 
 
+def deploy_folder(hf_folder: Path, tensor_parallel_size: int) -> Path:
+    """Where `write_deploy_shards` writes by default: `<export>-deploy-tp<N>` beside the export."""
+    return hf_folder.with_name(f"{hf_folder.name}-deploy-tp{tensor_parallel_size}")
+
+
 def write_deploy_shards(hf_folder: str | Path, tensor_parallel_size: int, output: str | Path | None = None,
-                        max_shard_size: str | int = "5GB") -> Path:
+                        max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
     """Per-rank folders `rank-00` ... for an N-way tensor-parallel server, plus `sharding.json` stating
-    each tensor's split dim (null: copied) and whether k/v heads are replicated."""
+    each tensor's split dim (null: copied) and whether k/v heads are replicated. `output` follows the
+    rules of `export_checkpoint`'s (new, empty or an earlier set of deploy shards, else `overwrite`)."""
     hf_folder = Path(hf_folder)
     config = ModelConfig.from_json(hf_folder / "config.json")
     _check_deploy_tp(config, tensor_parallel_size)
-    if output is None:
-        output = hf_folder.with_name(f"{hf_folder.name}-deploy-tp{tensor_parallel_size}")
-    output = Path(output)
-    partial = output.with_name(output.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    output = Path(output) if output is not None else deploy_folder(hf_folder, tensor_parallel_size)
+    check_output_folder(output, DEPLOY_SHARDS, overwrite)
+    partial = staging_folder(output, DEPLOY_SHARDS)
     kv_replicated = tensor_parallel_size > config.num_key_value_heads
     names = hf_tensor_names(config)
     with open_hf_folder(hf_folder) as hf:
         dtype = hf.slice(names[0]).get_dtype()
         for rank in range(tensor_parallel_size):
             folder = partial / f"rank-{rank:02d}"
-            folder.mkdir(parents=True)
+            folder.mkdir()
             shapes = [(name, _rank_piece_shape(hf, name, tensor_parallel_size, config, kv_replicated))
                       for name in names]
             _write_safetensors(folder, shapes, _SAFETENSORS_TORCH_DTYPES[dtype],
@@ -340,9 +351,7 @@ def write_deploy_shards(hf_folder: str | Path, tensor_parallel_size: int, output
     sharding = {"tensor_parallel_size": tensor_parallel_size, "kv_heads_replicated": kv_replicated,
                 "split_dim": {name: deploy_split_dim(name) for name in names}}
     (partial / "sharding.json").write_text(json.dumps(sharding, indent=2))
-    if output.exists():
-        shutil.rmtree(output)
-    partial.rename(output)
+    replace_folder(partial, output)
     return output
 
 

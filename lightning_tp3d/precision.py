@@ -61,20 +61,30 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
 
 class TP3DPrecision(MixedPrecision):
     """Autocast in `"bf16-mixed"` or `"16-mixed"` (fp32 weights, gradients and optimizer state); the
-    latter with a `ModelParallelGradScaler`, whose state Lightning stores in checkpoints."""
+    latter with a `ModelParallelGradScaler`, whose state Lightning stores in checkpoints.
 
-    def __init__(self, precision: Literal["16-mixed", "bf16-mixed"] = "bf16-mixed", device: str = "cpu",
+    `device` is the autocast device type; by default the strategy sets it to the device it runs on
+    ("cuda" on GPUs, "cpu" otherwise), so the same plugin autocasts wherever it is used.
+    """
+
+    def __init__(self, precision: Literal["16-mixed", "bf16-mixed"] = "bf16-mixed", device: str | None = None,
                  scaler: torch.amp.GradScaler | None = None) -> None:
         if precision not in ("16-mixed", "bf16-mixed"):
             raise ValueError(
                 f"TP3DPrecision(precision={precision!r}): use '16-mixed' or 'bf16-mixed' here; for '32-true' and"
                 " 'bf16-true' pass Trainer(precision=...)."
             )
+        self._device_chosen = device is not None
+        device = device or "cpu"
         if scaler is None and precision == "16-mixed":
             scaler = ModelParallelGradScaler(device=device)
         super().__init__(precision, device, scaler)
 
-    @property
-    def loss_scale(self) -> float:
-        """The factor the loss is multiplied by before backward (1.0 without a scaler)."""
-        return self.scaler.get_scale() if self.scaler is not None and self.scaler.is_enabled() else 1.0
+    def bind_device(self, device_type: str) -> None:
+        """Autocast (and keep the scale) on `device_type`, the strategy's device, unless the constructor was
+        given a device."""
+        if self._device_chosen:
+            return
+        self.device = device_type
+        if isinstance(self.scaler, ModelParallelGradScaler):
+            self.scaler._device = device_type  # GradScaler keeps the device type for its own checks

@@ -49,7 +49,7 @@ from lightning_tp3d.doctor import DoctorReport
 from lightning_tp3d.layout import ParallelLayout
 from lightning_tp3d.parallel.pipeline import StageTiming
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
-from lightning_tp3d.precision import ModelParallelGradScaler
+from lightning_tp3d.precision import ModelParallelGradScaler, TP3DPrecision
 
 __all__ = ["TP3DStrategy"]
 
@@ -242,6 +242,8 @@ class TP3DStrategy(ModelParallelStrategy):
                 " disagree on skipping a step; use plugins=[TP3DPrecision('16-mixed')] from lightning_tp3d.precision."
             )
         self.accelerator.setup(trainer)
+        if isinstance(self.precision_plugin, TP3DPrecision):
+            self.precision_plugin.bind_device(self.root_device.type)
         network = self.network
         # Once per network: `validate` after `fit` keeps the parallel model and its trained weights.
         first_setup = self.core.parallelize(network, model_config(network, self.lightning_module), self._loss_scale,

@@ -120,16 +120,25 @@ def reference_run(
     build_network: Callable[[], nn.Module] = reference_network,
     autocast_dtype: torch.dtype | None = None,
     accumulate: int = 1,
+    parameter_dtype: torch.dtype | None = None,
+    scaler_inf_step: int | None = None,
 ) -> dict[str, Any]:
     """Plain single-process PyTorch: the same network, data order and AdamW as the module, no Lightning.
 
     Each step takes the next `global_batch_size` windows of the epoch's permutation, which is exactly the
     union of what the dp ranks' DistributedSamplers hand out in that step. With `autocast_dtype` the
-    forward runs under `torch.autocast("cpu", dtype=autocast_dtype)` (fp32 weights and optimizer).
+    forward runs under `torch.autocast("cpu", dtype=autocast_dtype)` (fp32 weights and optimizer); with
+    `parameter_dtype` the weights and AdamW's state are of that dtype (Lightning's `bf16-true`).
+
+    With `scaler_inf_step` the loss goes through `torch.amp.GradScaler` (fp16 training), and at that step
+    (1-based) an inf written into one gradient makes the scaler skip the update and halve its scale.
 
     With `accumulate` = k, `last_batch_losses` holds what a run accumulating k batches per step logs: the
     loss of the last k-th of each step's samples (its dp ranks' last batches), before the update."""
     model = build_network()
+    if parameter_dtype is not None:
+        model = model.to(parameter_dtype)
+    scaler = torch.amp.GradScaler("cpu", enabled=scaler_inf_step is not None)
     data = TokenDataModule(seq_len=SEQ_LEN, batch_size=global_batch_size, val_fraction=0.2)
     data.setup()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
@@ -146,12 +155,16 @@ def reference_run(
                 with torch.no_grad():
                     last = global_batch_size - global_batch_size // accumulate
                     last_batch_losses.append(model(input_ids[last:], labels=labels[last:]).item())
-        loss.backward()
+        scaler.scale(loss).backward()
+        if step + 1 == scaler_inf_step:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        scaler.unscale_(optimizer)
         if first_grads is None:
             first_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         losses.append(loss.item())
     result = {"losses": losses, "last_batch_losses": last_batch_losses, "first_grads": first_grads,
               "final_params": {name: p.detach().clone() for name, p in model.named_parameters()}}

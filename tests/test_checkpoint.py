@@ -130,7 +130,7 @@ def crash_during_second_save(directory: str) -> None:
     import lightning_tp3d.checkpoint as checkpoint
 
     directory = Path(directory)
-    rename = checkpoint._replace
+    rename = checkpoint.replace_folder
     renames = []
 
     def rename_or_die(partial: Path, path: Path) -> None:
@@ -144,11 +144,61 @@ def crash_during_second_save(directory: str) -> None:
             if trainer.global_step == 1:
                 torch.save({name: value for name, value in pl_module.state_dict().items()}, directory / "step1.pt")
 
-    checkpoint._replace = rename_or_die
+    checkpoint.replace_folder = rename_or_die
     last = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=0, save_last=True)
     L.Trainer(**trainer_kwargs(devices=1, strategy=TP3DStrategy(), max_steps=3, enable_checkpointing=True,
                                callbacks=[KeepWeights(), last], logger=False)).fit(
         CausalLMModule("tiny"), TokenDataModule(seq_len=SEQ_LEN, batch_size=4))
+
+
+def crash_between_renames(directory: str) -> None:
+    """Two ranks at tp = 2 save `last.ckpt` asynchronously after every step; the whole job is killed
+    (SIGKILL to every process, as when a node fails) while the step-2 checkpoint replaces the step-1 one,
+    between moving the old folder aside and moving the new one in: the replacement a system without an
+    atomic folder swap makes. The step-2 weights are kept in `step2.pt` to compare with."""
+    run_distributed(2, "tests.test_checkpoint:_save_every_step", directory, None, True)
+
+
+def _die_between_renames() -> None:
+    import lightning_tp3d.folders as folders
+
+    folders._exchange = lambda first, second: False  # as where renameat2 is unavailable
+    rename = Path.rename
+
+    def rename_or_die(self: Path, target: Path) -> Path:
+        moved = rename(self, target)
+        if str(target).endswith(folders.REPLACED_SUFFIX):
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        return moved
+
+    Path.rename = rename_or_die
+
+
+class _KeepWeights(Callback):
+    def __init__(self, directory: Path, step: int) -> None:
+        self.directory, self.step = directory, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            weights = named_full(pl_module)
+            if trainer.is_global_zero:
+                torch.save(weights, self.directory / f"step{self.step}.pt")
+
+
+def _save_every_step(directory: str, ckpt_path: str | None = None, crash: bool = False) -> dict[str, Any]:
+    if crash:
+        _die_between_renames()
+    directory = Path(directory)
+    last = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=0, save_last=True)
+    loaded: dict[str, Any] = {}
+
+    class RecordStart(Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            loaded.update(step=trainer.global_step, weights=named_full(pl_module))
+
+    result = _fit(2, 1, directory, steps=3, ckpt_path=ckpt_path, async_checkpoint=True,
+                  callbacks=[_KeepWeights(directory, 2), last, RecordStart()])
+    return {"loaded": loaded, "losses": result["losses"]}
 
 
 # ---------------------------------------------------------------------- fixtures
@@ -268,10 +318,57 @@ def test_killed_save_leaves_the_previous_checkpoint_whole(tmp_path):
     assert all(torch.equal(restored[name], expected[name]) for name in expected)
     with pytest.raises(CheckpointError, match=r"last.ckpt.partial is an unfinished save \(interrupted"):
         read_meta(tmp_path / "last.ckpt.partial")
+    # With the name gone, the step-2 folder is found: every rank had finished and meta.json was written.
     shutil.rmtree(tmp_path / "last.ckpt")
+    with pytest.warns(UserWarning, match=r"reading the complete folder last.ckpt.partial instead"):
+        assert read_meta(tmp_path / "last.ckpt").global_step == 2
+    (tmp_path / "last.ckpt.partial" / "meta.json").unlink()  # as if killed before every rank had finished
     with pytest.raises(CheckpointError, match=r"last.ckpt does not exist. .*last.ckpt.partial exists: a save to this"
                                               r" name was interrupted"):
         read_meta(tmp_path / "last.ckpt")
+
+
+def test_kill_between_the_renames_of_a_replacement_then_resume(tmp_path):
+    command = [sys.executable, "-c", "import sys; from tests.test_checkpoint import crash_between_renames as f;"
+               " f(sys.argv[1])", str(tmp_path)]
+    process = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=300,
+                             start_new_session=True)
+    assert process.returncode == -signal.SIGKILL, process.stderr.decode()[-3000:]
+    # The moment the issue is about: the name is missing, the old folder is aside, the new one complete.
+    assert not (tmp_path / "last.ckpt").exists()
+    assert (tmp_path / "last.ckpt.replaced").is_dir() and (tmp_path / "last.ckpt.partial" / "meta.json").is_file()
+    with pytest.warns(UserWarning, match=r"last.ckpt is missing: a save replacing it was interrupted"):
+        assert read_meta(tmp_path / "last.ckpt").global_step == 2
+    expected = torch.load(tmp_path / "step2.pt", weights_only=True)
+    with pytest.warns(UserWarning, match=r"reading the complete folder last.ckpt.partial"):
+        restored = load_model_tensors(tmp_path / "last.ckpt")
+    assert all(torch.equal(restored[f"model.{name}"], value) for name, value in expected.items())
+    # Resuming from `last.ckpt` at two ranks starts from step 2's weights, and the next save tidies up.
+    (resumed, _) = run_distributed(2, "tests.test_checkpoint:_save_every_step", str(tmp_path),
+                                   str(tmp_path / "last.ckpt"))
+    assert resumed["loaded"]["step"] == 2 and len(resumed["losses"]) == 1
+    assert all(torch.equal(resumed["loaded"]["weights"][name], value) for name, value in expected.items())
+    assert read_meta(tmp_path / "last.ckpt").global_step == 3
+    assert not (tmp_path / "last.ckpt.replaced").exists() and not (tmp_path / "last.ckpt.partial").exists()
+
+
+def test_replacement_swaps_folders_atomically_where_the_system_can(tmp_path):
+    from lightning_tp3d.folders import replace_folder
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "meta.json").write_text("old")
+    (tmp_path / "new.partial").mkdir()
+    (tmp_path / "new.partial" / "meta.json").write_text("new")
+    (tmp_path / "old").rename(tmp_path / "name")
+    replace_folder(tmp_path / "new.partial", tmp_path / "name")
+    assert (tmp_path / "name" / "meta.json").read_text() == "new"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["name"]
+    if sys.platform.startswith("linux"):  # renameat2(RENAME_EXCHANGE) swaps in one step on Linux
+        import lightning_tp3d.folders as folders
+
+        (tmp_path / "other").mkdir()
+        assert folders._exchange(tmp_path / "other", tmp_path / "name")
+        assert (tmp_path / "other" / "meta.json").read_text() == "new"
 
 
 def test_truncated_shard_is_named(resharded, tmp_path):

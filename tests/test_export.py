@@ -174,6 +174,52 @@ def test_invalid_deploy_tp_is_refused(exported, capsys):
     assert "--deploy-tp 8 is not valid for this model: 8 does not divide num_attention_heads=4" in error
 
 
+def test_export_never_deletes_a_folder_it_did_not_write(exported, tmp_path, capsys):
+    _, directory = exported
+    users = tmp_path / "users-folder"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    assert tp3d(["export", str(directory / "final.ckpt"), str(users)]) == 2
+    error = capsys.readouterr().err
+    assert f"{users} is a folder holding notes.txt, not an earlier hf-export of lightning_tp3d; nothing was" in error
+    assert "pass overwrite=True (`--overwrite`)" in error
+    assert sorted(path.name for path in users.iterdir()) == ["notes.txt"] and not (tmp_path / "users-folder.partial").exists()
+    # Deploy shards next to a new export: the same rule for their folder.
+    (tmp_path / "new-deploy-tp2").mkdir()
+    (tmp_path / "new-deploy-tp2" / "keep.bin").write_bytes(b"1")
+    assert tp3d(["export", str(directory / "final.ckpt"), str(tmp_path / "new"), "--deploy-tp", "2"]) == 2
+    assert "new-deploy-tp2 is a folder holding keep.bin" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and (tmp_path / "new-deploy-tp2" / "keep.bin").is_file()
+    # An earlier export is replaced whole (no stale shard remains); --overwrite replaces the user's folder.
+    earlier = tmp_path / "earlier"
+    assert tp3d(["export", str(directory / "final.ckpt"), str(earlier), "--max-shard-size", "100KB"]) == 0
+    assert tp3d(["export", str(directory / "final.ckpt"), str(earlier)]) == 0
+    assert sorted(path.name for path in earlier.iterdir()) == [".lightning_tp3d.json", "config.json",
+                                                                "model.safetensors"]
+    assert tp3d(["export", str(directory / "final.ckpt"), str(users), "--overwrite"]) == 0
+    assert not (users / "notes.txt").exists() and (users / "model.safetensors").is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["earlier", "new-deploy-tp2", "users-folder"]
+
+
+def refuse_users_folder(directory: str) -> dict[str, Any]:
+    trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=TP3DStrategy(), max_steps=1,
+                                         callbacks=[ExportCallback(Path(directory) / "hf")]))
+    try:
+        trainer.fit(CausalLMModule("tiny"), TokenDataModule(seq_len=SEQ_LEN, batch_size=2))
+    except FileExistsError as error:
+        return {"error": str(error), "global_step": trainer.global_step}
+    return {"error": None, "global_step": trainer.global_step}
+
+
+def test_export_callback_refuses_a_users_folder_before_training(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "notes.txt").write_text("mine")
+    for rank in run_distributed(2, "tests.test_export:refuse_users_folder", str(tmp_path)):
+        assert "hf is a folder holding notes.txt, not an earlier hf-export" in rank["error"]
+        assert rank["global_step"] == 0
+    assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == ["notes.txt"]
+
+
 def test_check_names_the_first_corrupted_layer(exported, tmp_path, capsys):
     _, directory = exported
     assert tp3d(["check", str(directory / "hf"), "--checkpoint", str(directory / "final.ckpt")]) == 0

@@ -122,3 +122,11 @@ class TokenDataModule(L.LightningDataModule):
         if self.val_dataset is None:
             return []
         return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False, drop_last=True)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split (the corpus has no third one)."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out split's windows; predictions are their logits."""
+        return self.val_dataloader()

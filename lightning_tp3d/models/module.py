@@ -69,6 +69,15 @@ class CausalLMModule(L.LightningModule):
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(batch["input_ids"], labels=batch["labels"])
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The logits `[batch, seq, vocab]` of the batch's `input_ids` (whole, on every rank)."""
+        return self.model(batch["input_ids"])
+
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(
             self.parameters(),

@@ -1,0 +1,142 @@
+"""Folders written whole or not at all, replaced without a moment at which none exists, and never a
+folder this package did not write deleted.
+
+A folder (checkpoint, export, deploy shards) is written as `<name>.partial` beside its final name and
+moved under the name once complete. An earlier folder of that name is replaced in one step where the
+system allows it: on Linux the two directory entries are swapped atomically (`renameat2` with
+`RENAME_EXCHANGE`) and the old folder, now under `<name>.partial`, is removed. Elsewhere the old folder
+is first renamed `<name>.replaced`; a process that dies between the two renames leaves the name
+missing, and `recovered_path` finds the complete folder of the two (the new one if it was complete,
+else the old one), so loading recovers by itself and the next save puts it back under its name.
+
+Folders of this package carry a marker file (`MARKER_FILE`, or the checkpoint's `meta.json`); an output
+folder that exists, is not empty and has no marker of the same kind is refused unless the caller
+passes `overwrite=True`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = [
+    "MARKER_FILE",
+    "PARTIAL_SUFFIX",
+    "REPLACED_SUFFIX",
+    "check_output_folder",
+    "finish_interrupted_replacement",
+    "recovered_path",
+    "replace_folder",
+    "staging_folder",
+]
+
+PARTIAL_SUFFIX = ".partial"
+REPLACED_SUFFIX = ".replaced"
+MARKER_FILE = ".lightning_tp3d.json"
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two existing directory entries atomically; False where the system or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:  # glibc < 2.28 or another C library
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(code, os.strerror(code), str(first), str(second))
+
+
+def replace_folder(staged: Path, path: Path) -> None:
+    """Move the complete folder `staged` to `path`. An earlier folder at `path` is swapped out atomically
+    where possible (else renamed `<name>.replaced` first) and removed only once `staged` is in place."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    if not path.exists():
+        staged.rename(path)
+        return
+    if _exchange(staged, path):
+        shutil.rmtree(staged)  # now the earlier folder
+        return
+    replaced = _sibling(path, REPLACED_SUFFIX)
+    shutil.rmtree(replaced, ignore_errors=True)
+    path.rename(replaced)
+    staged.rename(path)
+    shutil.rmtree(replaced)
+
+
+def recovered_path(path: Path, is_complete: Callable[[Path], bool]) -> Path:
+    """`path`, or where its folder is after a replacement that died between its two renames: the new
+    folder (`<name>.partial`) if it is complete, else the earlier one (`<name>.replaced`)."""
+    if path.exists():
+        return path
+    for candidate in (_sibling(path, PARTIAL_SUFFIX), _sibling(path, REPLACED_SUFFIX)):
+        if candidate.is_dir() and is_complete(candidate):
+            warnings.warn(f"{path} is missing: a save replacing it was interrupted; reading the complete folder"
+                          f" {candidate.name} instead (the next save to {path.name} moves it back).", stacklevel=3)
+            return candidate
+    return path
+
+
+def finish_interrupted_replacement(path: Path, is_complete: Callable[[Path], bool]) -> None:
+    """Put the folder `recovered_path` would read back under `path` (before a new save to `path`)."""
+    found = recovered_path(path, is_complete)
+    if found != path:
+        found.rename(path)
+    replaced = _sibling(path, REPLACED_SUFFIX)
+    if path.exists() and replaced.is_dir() and is_complete(replaced):
+        shutil.rmtree(replaced)
+
+
+def _marker_kind(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / MARKER_FILE).read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_output_folder(path: Path, kind: str, overwrite: bool = False) -> None:
+    """Refuse to write a `kind` folder at `path` when something that is not an earlier `kind` folder of
+    this package is there (a file, or a non-empty folder without the marker), unless `overwrite`."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_dir() and not path.is_symlink() and (_marker_kind(path) == kind or not any(path.iterdir())):
+        return
+    if overwrite and path.is_dir():
+        return
+    found = "a file" if not path.is_dir() else f"a folder holding {', '.join(sorted(p.name for p in path.iterdir())[:3])}"
+    hint = "" if not path.is_dir() else " or pass overwrite=True (`--overwrite`) to replace it and everything in it"
+    raise FileExistsError(
+        f"{path} is {found}, not an earlier {kind} of lightning_tp3d; nothing was written. Choose a new or empty"
+        f" folder{hint}."
+    )
+
+
+def staging_folder(path: Path, kind: str) -> Path:
+    """A fresh `<name>.partial` beside `path`, marked as a `kind` folder. A stale one is removed only if this
+    package wrote it (it carries the marker); anything else under that name is refused."""
+    staged = _sibling(path, PARTIAL_SUFFIX)
+    if staged.exists() or staged.is_symlink():
+        if not staged.is_dir() or _marker_kind(staged) != kind:
+            raise FileExistsError(f"{staged} exists and was not written by lightning_tp3d; move it away and retry.")
+        shutil.rmtree(staged)
+    staged.mkdir(parents=True)
+    (staged / MARKER_FILE).write_text(json.dumps({"kind": kind}))
+    return staged
