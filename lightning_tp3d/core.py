@@ -157,6 +157,7 @@ class ParallelCore:
         self._mesh: DeviceMesh | None = None
         self._parallelized: nn.Module | None = None
         self._pending_gradients: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._pending_factor: torch.Tensor | None = None
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> ParallelCore:
@@ -323,16 +324,35 @@ class ParallelCore:
             core._pending_gradients = [(parameter, parameter.grad) for parameter in parameters]
             for parameter, grad in zip(parameters, previous):
                 parameter.grad = grad
-            return loss
+            return core._loss_handing_over_gradients(loss, runner.loss_scale)
 
         network.forward = pipelined_forward
 
+    def _loss_handing_over_gradients(self, loss: torch.Tensor, schedule_scale: float) -> torch.Tensor:
+        """`loss` plus a zero leaf, so that a loop's `.backward()` on any function of the loss (`loss / k` when
+        accumulating k batches, a scaler's `scale(loss)`) delivers c = d(objective) / d(loss) to the leaf.
+        The schedule computed its gradients for `schedule_scale x loss`; `take_pipeline_gradients` then
+        scales them by c / schedule_scale. (The Trainer calls no `.backward()`: its schedule scale already
+        holds the accumulation and loss-scale factors, and the gradients are handed over as they are.)"""
+        anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
+
+        def receive(gradient: torch.Tensor) -> None:
+            self._pending_factor = gradient.detach() / schedule_scale
+
+        anchor.register_hook(receive)
+        return loss + anchor
+
     # ------------------------------------------------------------------ step
     def take_pipeline_gradients(self) -> None:
-        """Add the gradients the last pipelined forward computed (the backward of a pipelined step)."""
+        """Add the gradients the last pipelined forward computed (the backward of a pipelined step), scaled
+        by what the loop's backward of the returned loss asked for (see `_loss_handing_over_gradients`)."""
+        factor, self._pending_factor = self._pending_factor, None
         for parameter, grad in self._pending_gradients:
-            if grad is not None:
-                parameter.grad = grad if parameter.grad is None else parameter.grad.add_(grad)
+            if grad is None:
+                continue
+            if factor is not None:  # scaling commutes with every placement: scale the local part
+                (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor.to(grad.device))
+            parameter.grad = grad if parameter.grad is None else parameter.grad.add_(grad)
         self._pending_gradients = []
 
     def all_reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:

@@ -4,7 +4,9 @@ It shares `ParallelCore` with the Trainer strategy: layout, mesh, pipeline split
 recompute, FSDP2, the pipelined forward, gradient all-reduce, global-norm clipping and the checkpoint
 format are the same code. The network given to `fabric.setup` is parallelised in place; under pipeline
 parallelism `model(input_ids, labels=labels)` runs the schedule's forward and backward and returns the
-batch loss on every rank, and `fabric.backward(loss)` then only adds the schedule's gradients.
+batch loss on every rank, and `fabric.backward(loss)` then adds the schedule's gradients, scaled as the
+loop scaled the loss (`fabric.backward(loss / k)` when accumulating k batches under
+`fabric.no_backward_sync`).
 
 Example usage::
 
@@ -45,6 +47,7 @@ from lightning_tp3d.collectives import enable_collective_recording, naming_stuck
 from lightning_tp3d.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config
 from lightning_tp3d.layout import ParallelLayout
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
+from lightning_tp3d.precision import check_supported_precision
 
 __all__ = ["TP3DFabricStrategy"]
 
@@ -104,6 +107,7 @@ class TP3DFabricStrategy(ModelParallelStrategy):
         self.core = ParallelCore.from_arguments(locals())
         self._backward_sync_control = _BackwardSyncControl(self)
         self._gradient_sync = True
+        self._network: nn.Module | None = None
 
     @property
     def layout(self) -> ParallelLayout:
@@ -127,8 +131,10 @@ class TP3DFabricStrategy(ModelParallelStrategy):
         return self.core.sampler_kwargs(self.global_rank)
 
     def _parallelize(self, module: nn.Module, _: Any) -> nn.Module:
+        check_supported_precision(self.precision.precision)
         if self.core.parallelize(module, model_config(module), self._loss_scale, self.root_device):
             self.core.load_pretrained(module)
+        self._network = module
         return module
 
     def _loss_scale(self) -> float:
@@ -138,13 +144,16 @@ class TP3DFabricStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ step
     @override
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """Under pipelining the schedule already ran backward in the forward call: add its gradients."""
-        if self.core.pipeline is None:
-            super().backward(tensor, module, *args, **kwargs)
-        else:
+        """Under pipelining the schedule already ran backward in the forward call: the backward of `tensor`
+        (the returned loss, scaled by the loop, e.g. `loss / k` when accumulating) fixes the factor the
+        schedule's gradients are added with."""
+        super().backward(tensor, module, *args, **kwargs)
+        if self.core.pipeline is not None:
             self.core.take_pipeline_gradients()
-        if self._gradient_sync and module is not None:
-            self.core.all_reduce_gradients(module.parameters())
+        # `fabric.backward(loss)` without `model=` passes no module: reduce the network this strategy set up.
+        network = module if module is not None else self._network
+        if self._gradient_sync and network is not None:
+            self.core.all_reduce_gradients(network.parameters())
 
     @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,

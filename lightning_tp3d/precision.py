@@ -25,7 +25,18 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ModelParallelGradScaler", "TP3DPrecision"]
+__all__ = ["ModelParallelGradScaler", "TP3DPrecision", "check_supported_precision"]
+
+
+def check_supported_precision(precision: str) -> None:
+    """Refuse the precisions no parity test covers: `16-true` (fp16 weights and optimizer state with no
+    loss scaling, whose small gradients underflow)."""
+    if precision == "16-true":
+        raise ValueError(
+            "precision='16-true' (fp16 weights, no loss scaling) is not supported by lightning_tp3d: small"
+            " gradients underflow in fp16. Use 'bf16-true', 'bf16-mixed', or fp16 autocast with a loss scaler,"
+            " Trainer(plugins=[TP3DPrecision('16-mixed')])."
+        )
 
 
 class ModelParallelGradScaler(torch.amp.GradScaler):

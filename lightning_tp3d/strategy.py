@@ -49,7 +49,7 @@ from lightning_tp3d.doctor import DoctorReport
 from lightning_tp3d.layout import ParallelLayout
 from lightning_tp3d.parallel.pipeline import StageTiming
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
-from lightning_tp3d.precision import ModelParallelGradScaler, TP3DPrecision
+from lightning_tp3d.precision import ModelParallelGradScaler, TP3DPrecision, check_supported_precision
 
 __all__ = ["TP3DStrategy"]
 
@@ -241,6 +241,7 @@ class TP3DStrategy(ModelParallelStrategy):
                 f"The precision plugin's {type(scaler).__name__} checks for inf/nan on each rank alone, so ranks would"
                 " disagree on skipping a step; use plugins=[TP3DPrecision('16-mixed')] from lightning_tp3d.precision."
             )
+        check_supported_precision(self.precision_plugin.precision)
         self.accelerator.setup(trainer)
         if isinstance(self.precision_plugin, TP3DPrecision):
             self.precision_plugin.bind_device(self.root_device.type)

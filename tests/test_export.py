@@ -117,7 +117,7 @@ def test_export_loads_in_transformers_and_matches_the_live_model(exported):
 
     results, directory = exported
     files = sorted(path.name for path in (directory / "hf").iterdir())
-    assert files == ["config.json", "model.safetensors"]
+    assert files == [".lightning_tp3d.json", "config.json", "model.safetensors"]  # the marker: an export of ours
     model = AutoModelForCausalLM.from_pretrained(directory / "hf").eval()
     with torch.no_grad():
         logits = [model(prompt).logits for prompt in fixed_prompts(256)]
@@ -183,7 +183,8 @@ def test_export_never_deletes_a_folder_it_did_not_write(exported, tmp_path, caps
     error = capsys.readouterr().err
     assert f"{users} is a folder holding notes.txt, not an earlier hf-export of lightning_tp3d; nothing was" in error
     assert "pass overwrite=True (`--overwrite`)" in error
-    assert sorted(path.name for path in users.iterdir()) == ["notes.txt"] and not (tmp_path / "users-folder.partial").exists()
+    assert sorted(path.name for path in users.iterdir()) == ["notes.txt"]
+    assert not (tmp_path / "users-folder.partial").exists()
     # Deploy shards next to a new export: the same rule for their folder.
     (tmp_path / "new-deploy-tp2").mkdir()
     (tmp_path / "new-deploy-tp2" / "keep.bin").write_bytes(b"1")

@@ -17,7 +17,15 @@ from lightning_tp3d import TP3DFabricStrategy, TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from tests.distributed import run_distributed
-from tests.helpers import LEARNING_RATE, SEQ_LEN, MemoryLogger, reference_network, reference_run, trainer_kwargs
+from tests.helpers import (
+    LEARNING_RATE,
+    SEQ_LEN,
+    MemoryLogger,
+    named_full,
+    reference_network,
+    reference_run,
+    trainer_kwargs,
+)
 
 STEPS = 10
 SAVED_AT = 5
@@ -56,6 +64,41 @@ def _fabric_losses(directory: Path, load: bool) -> list[float]:
     return losses
 
 
+ACCUMULATE = 2
+
+
+def _fabric_accumulating(steps: int = 3) -> dict[str, Any]:
+    """(1, 2, 2) replicate, 1F1B: each step accumulates 2 batches of 2 per dp rank under `no_backward_sync`
+    (gradients are all-reduced over dp once, after the second batch) with `fabric.backward(loss / 2)`."""
+    strategy = TP3DFabricStrategy(pipeline_parallel_size=2, num_microbatches=2)
+    fabric = L.Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup(reference_network())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95),
+                                                          weight_decay=0.0))
+    all_reduces = []
+    all_reduce = strategy.core.all_reduce_gradients
+    strategy.core.all_reduce_gradients = lambda parameters: all_reduces.append(1) or all_reduce(parameters)
+    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
+    data.setup()
+    batch_size = GLOBAL_BATCH // 2 // ACCUMULATE
+    loader = fabric.setup_dataloaders(DataLoader(data.train_dataset, batch_size=batch_size, shuffle=True))
+    batches = iter(loader)
+    last_batch_losses, first_grads = [], None
+    for _ in range(steps):
+        for index in range(ACCUMULATE):
+            batch = next(batches)
+            with fabric.no_backward_sync(model, enabled=index < ACCUMULATE - 1):
+                loss = model(batch["input_ids"], labels=batch["labels"])
+                fabric.backward(loss / ACCUMULATE)
+        if first_grads is None:
+            first_grads = named_full(model, "grad", prefix="_forward_module.")
+        optimizer.step()
+        optimizer.zero_grad()
+        last_batch_losses.append(fabric.all_reduce(loss.detach()).item())
+    return {"last_batch_losses": last_batch_losses, "first_grads": first_grads, "all_reduces": len(all_reduces)}
+
+
 def run_world(directory: str) -> dict[str, Any]:
     directory = Path(directory)
     logger = MemoryLogger()
@@ -65,7 +108,7 @@ def run_world(directory: str) -> dict[str, Any]:
         CausalLMModule("tiny", learning_rate=LEARNING_RATE),
         TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2))
     return {"trainer": logger.values("train_loss"), "fabric": _fabric_losses(directory, load=False),
-            "resumed": _fabric_losses(directory, load=True)}
+            "resumed": _fabric_losses(directory, load=True), "accumulating": _fabric_accumulating()}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +127,21 @@ def test_fabric_loop_matches_the_trainer_and_the_reference(runs):
 def test_fabric_checkpoint_resumes_exactly(runs):
     for rank in runs:
         assert rank["resumed"] == rank["fabric"][SAVED_AT:]
+
+
+def test_fabric_accumulation_under_pipelining_matches_the_reference(runs):
+    """The loop's `loss / 2` reaches the schedule's gradients: 2 accumulated batches = one batch of 8."""
+    reference = reference_run(3, GLOBAL_BATCH, accumulate=ACCUMULATE)
+    gradients: dict[str, torch.Tensor] = {}
+    for rank in runs:
+        result = rank["accumulating"]
+        assert result["all_reduces"] == 3, "one dp all-reduce per step: no_backward_sync skipped the others"
+        torch.testing.assert_close(torch.tensor(result["last_batch_losses"]),
+                                   torch.tensor(reference["last_batch_losses"]), rtol=1e-5, atol=0.0)
+        for name, gradient in result["first_grads"].items():
+            torch.testing.assert_close(gradient, reference["first_grads"][name], rtol=1e-5, atol=1e-7)
+        gradients.update(result["first_grads"])
+    assert gradients.keys() == reference["first_grads"].keys()
 
 
 def test_registered_in_fabric():

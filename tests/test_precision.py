@@ -217,3 +217,31 @@ def test_precision_plugin_choices():
     assert TP3DPrecision("bf16-mixed").scaler is None
     with pytest.raises(ValueError, match=r"TP3DPrecision\(precision='32-true'\): use '16-mixed' or 'bf16-mixed'"):
         TP3DPrecision("32-true")
+
+
+def run_sixteen_true() -> list[str]:
+    """`16-true` through the Trainer and through Fabric: both refuse it before training."""
+    from lightning_tp3d import TP3DFabricStrategy
+    from tests.helpers import reference_network
+
+    messages = []
+    trainer = L.Trainer(**trainer_kwargs(devices=1, max_steps=1, precision="16-true", strategy=TP3DStrategy()))
+    try:
+        trainer.fit(CausalLMModule("tiny"), TokenDataModule(seq_len=SEQ_LEN, batch_size=2))
+    except ValueError as error:
+        messages.append(str(error))
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="16-true", strategy=TP3DFabricStrategy())
+    fabric.launch()
+    try:
+        fabric.setup(reference_network())
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
+
+
+def test_sixteen_true_is_refused_with_the_alternatives():
+    (messages,) = run_distributed(1, "tests.test_precision:run_sixteen_true")
+    assert len(messages) == 2
+    for message in messages:
+        assert "precision='16-true' (fp16 weights, no loss scaling) is not supported" in message
+        assert "TP3DPrecision('16-mixed')" in message

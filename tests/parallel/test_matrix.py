@@ -22,8 +22,8 @@ from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.parallel.pipeline import PIPELINE_SCHEDULES
 from tests.distributed import run_distributed
-from tests.helpers import (LEARNING_RATE, SEQ_LEN, CaptureGradients, MemoryLogger, reference_run, trainer_kwargs,
-                           world_size)
+from tests.helpers import (LEARNING_RATE, SEQ_LEN, CaptureGradients, MemoryLogger, reference_run,
+                           reference_validation_loss, trainer_kwargs, world_size)
 
 RTOL, ATOL = 1e-5, 1e-7
 STEPS = 5
@@ -62,21 +62,52 @@ CONFIGURATIONS = {name: configuration for table in (GRID, CORNERS) for world in 
 
 def _fit(tp: int, mode: str, pp: int = 2, schedule: str = "1f1b", microbatches: int = 2, accumulate: int = 1,
          model: ModelConfig | str = "tiny", **options: Any) -> dict[str, Any]:
+    """`STEPS` steps of training, then one validation pass (the pipeline's forward-only path)."""
     world = world_size()
     dp = world // (tp * pp)
     logger, capture = MemoryLogger(), CaptureGradients()
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_schedule=schedule,
                             num_microbatches=microbatches, data_parallel_mode=mode, **options)
     trainer = L.Trainer(**trainer_kwargs(devices=world, strategy=strategy, logger=logger, callbacks=[capture],
-                                         max_steps=STEPS, accumulate_grad_batches=accumulate))
+                                         max_steps=STEPS, accumulate_grad_batches=accumulate,
+                                         limit_val_batches=None, val_check_interval=STEPS * accumulate,
+                                         check_val_every_n_epoch=None))
     module = CausalLMModule(model, learning_rate=LEARNING_RATE)
     trainer.fit(module, TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp // accumulate,
                                         val_fraction=0.2))
-    return {"losses": logger.values("train_loss"), "first_grads": capture.first_grads}
+    return {"losses": logger.values("train_loss"), "val_loss": logger.values("val_loss"),
+            "first_grads": capture.first_grads}
+
+
+class PredictWithInputs(CausalLMModule):
+    """The shipped `predict_step`, returned with the batch it saw (to compute the reference on it)."""
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": batch["input_ids"], "logits": super().predict_step(batch, batch_idx)}
+
+
+# `trainer.test` and `trainer.predict` through the pipeline (forward only, no schedule), per world.
+EVALUATIONS = {4: dict(tp=1, schedule="looped_bfs", mode="replicate"),
+               8: dict(tp=2, schedule="zbv_zero_bubble", mode="fsdp")}
+EVALUATION_BATCH = 4
+
+
+def _test_and_predict(tp: int, schedule: str, mode: str) -> dict[str, Any]:
+    def trainer() -> L.Trainer:
+        strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=2, pipeline_schedule=schedule,
+                                num_microbatches=2, data_parallel_mode=mode)
+        return L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=False))
+
+    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=EVALUATION_BATCH, val_fraction=0.2)
+    (tested,) = trainer().test(CausalLMModule("tiny", learning_rate=LEARNING_RATE), data, verbose=False)
+    predictions = trainer().predict(PredictWithInputs("tiny", learning_rate=LEARNING_RATE), data)
+    return {"test_loss": tested["test_loss"], "predictions": predictions}
 
 
 def run_world(world: int) -> dict[str, Any]:
-    return {name: _fit(**configuration) for table in (GRID, CORNERS) for name, configuration in table[world].items()}
+    results = {name: _fit(**configuration) for table in (GRID, CORNERS) for name, configuration in table[world].items()}
+    results[f"test-predict-{world}"] = _test_and_predict(**EVALUATIONS[world])
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +127,7 @@ def _reference(model: ModelConfig | str, accumulate: int) -> dict[str, Any]:
     key = f"{model!r}-{accumulate}"
     if key not in _REFERENCES:
         _REFERENCES[key] = reference_run(
-            STEPS, GLOBAL_BATCH, accumulate=accumulate,
+            STEPS, GLOBAL_BATCH, accumulate=accumulate, validate_batch_size=GLOBAL_BATCH // 2 // accumulate,
             build_network=lambda: _built(CausalLMModule(model, learning_rate=LEARNING_RATE)))
     return _REFERENCES[key]
 
@@ -127,5 +158,23 @@ def test_losses_and_every_rank_gradients_match_single_process(world_results, nam
             torch.testing.assert_close(gradient, reference["first_grads"][key], rtol=RTOL, atol=ATOL,
                                        msg=lambda message: f"{name} rank {rank} gradient {key}: {message}")
         covered.update(rank_result["first_grads"])
+        (val_loss,) = rank_result["val_loss"]
+        assert val_loss == pytest.approx(reference["val_loss"], rel=RTOL, abs=0.0), f"{name} rank {rank} val_loss"
     assert covered == reference["first_grads"].keys(), f"{name}: the ranks' stages do not cover the model"
     assert reference["losses"][-1] < reference["losses"][0], "the reference itself must learn"
+
+
+@pytest.mark.parametrize("world", list(EVALUATIONS))
+def test_test_and_predict_through_the_pipeline_match_single_process(world_results, world):
+    network = _built(CausalLMModule("tiny", learning_rate=LEARNING_RATE))
+    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=EVALUATION_BATCH, val_fraction=0.2)
+    data.setup()
+    expected_loss = reference_validation_loss(network, data, batch_size=EVALUATION_BATCH, dp=2)
+    network.eval()
+    for rank, rank_result in enumerate(world_results[f"test-predict-{world}"]):
+        assert rank_result["test_loss"] == pytest.approx(expected_loss, rel=RTOL, abs=0.0), f"rank {rank}"
+        assert len(rank_result["predictions"]) > 0
+        for prediction in rank_result["predictions"]:
+            with torch.no_grad():
+                expected = network(prediction["input_ids"])
+            torch.testing.assert_close(prediction["logits"], expected, rtol=RTOL, atol=1e-6)

@@ -1,6 +1,7 @@
-"""Pipeline parallelism inside TP3DStrategy: every schedule at pp >= 2 and the full 3-D mesh, compared
-with the single-process reference (losses of 10 steps, every gradient after step 1, validation loss)
-within 1e-5 in fp32. The same `CausalLMModule` as the TP x DP tests runs unchanged."""
+"""Pipeline parallelism inside TP3DStrategy at dp = 1 and pp = 4, compared with the single-process
+reference (losses of 10 steps, every gradient after step 1) within 1e-5 in fp32, plus the stage split,
+stage timing and the pipeline's errors. Every schedule x dp mode x tp size at pp = 2, dp = 2 is in
+`test_matrix.py`. The same `CausalLMModule` as the TP x DP tests runs unchanged."""
 
 from __future__ import annotations
 
@@ -30,14 +31,11 @@ GLOBAL_BATCH = 8
 
 # name -> (tp, pp, schedule, dp mode, micro-batches); dp follows from the world size.
 SCENARIOS: dict[int, dict[str, tuple]] = {
-    2: {f"pp2-{schedule}": (1, 2, schedule, "replicate", 4 if schedule == "dualpipev" else 2) for schedule in (
-        "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
-        "dualpipev")},
+    2: {"pp2-gpipe": (1, 2, "gpipe", "replicate", 2),
+        "pp2-1f1b": (1, 2, "1f1b", "replicate", 2),
+        "pp2-zbv_zero_bubble": (1, 2, "zbv_zero_bubble", "replicate", 2)},
     4: {"pp4-1f1b": (1, 4, "1f1b", "replicate", 4),
-        "tp2-pp2-gpipe": (2, 2, "gpipe", "replicate", 2),
-        "pp2-dp2-1f1b-fsdp": (1, 2, "1f1b", "fsdp", 2)},
-    8: {"tp2-pp2-dp2-1f1b": (2, 2, "1f1b", "replicate", 2),
-        "tp2-pp2-dp2-interleaved-fsdp": (2, 2, "interleaved_1f1b", "fsdp", 2)},
+        "tp2-pp2-gpipe": (2, 2, "gpipe", "replicate", 2)},
 }
 
 
@@ -103,13 +101,6 @@ def test_pipeline_losses_and_gradients_match_single_process(world_results, refer
     assert gradients.keys() == reference["first_grads"].keys()
     for key, expected in reference["first_grads"].items():
         assert (gradients[key] - expected).abs().max().item() <= TOLERANCE, key
-
-
-@pytest.mark.parametrize("name", ["tp2-pp2-dp2-1f1b", "tp2-pp2-dp2-interleaved-fsdp"])
-def test_validation_loss_at_2x2x2_matches_single_process(world_results, reference, name):
-    for rank_result in world_results[name]:
-        (val_loss,) = rank_result["val_loss"]
-        assert abs(val_loss - reference["val_loss"]) <= TOLERANCE
 
 
 def test_stage_split_keeps_global_names(world_results):
