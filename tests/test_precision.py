@@ -1,9 +1,9 @@
 """Mixed precision under tensor and pipeline parallelism, against single-process runs in the same
 precision, with tolerances shown to reject the wrong precision.
 
-* bf16-mixed at (tp, pp, dp) = (2, 2, 2) and (1, 2, 4): losses of 10 steps against the single-process
-  bf16 autocast run (mean |difference| <= 5e-4; the fp32 run differs by 9.5e-4 and is rejected), and at
-  (1, 2, 4) every first-step gradient (relative norm of the difference <= 5e-3; fp32's are 1.1e-2 off).
+* bf16-mixed at (tp, pp, dp) = (2, 2, 1) and (1, 2, 2): losses of 10 steps against the single-process
+  bf16 autocast run (mean |difference| <= 6e-4; the fp32 run differs by 9.5e-4 and is rejected), and at
+  (1, 2, 2) every first-step gradient (relative norm of the difference <= 5e-3; fp32's are 1.1e-2 off).
   The fp32 parity tolerance (rtol 1e-5) is shown to reject the bf16 run.
 * bf16-true at (2, 2, 1): bf16 weights and optimizer against single-process bf16-true (mean |difference|
   <= 2e-3; fp32 and bf16-mixed are 9e-3 off and rejected).
@@ -90,7 +90,7 @@ def _fit(tp: int, pp: int, steps: int, precision: Any, callbacks: list[Callback]
     return logger.values("train_loss")
 
 
-def run_fp16_world(directory: str) -> dict[str, Any]:
+def run_precision_world(directory: str) -> dict[str, Any]:
     directory = Path(directory)
     watch, fp16_dtypes = WatchScaler(INF_STEP), LinearOutputDtypes()
     saver = ModelCheckpoint(dirpath=directory, filename="step4", every_n_train_steps=4)
@@ -99,9 +99,12 @@ def run_fp16_world(directory: str) -> dict[str, Any]:
     resumed = _fit(2, 2, 6, TP3DPrecision("16-mixed"), [resumed_watch], ckpt_path=directory / "step4.ckpt")
     dtypes = LinearOutputDtypes()
     bf16_true = _fit(2, 2, STEPS, "bf16-true", [dtypes])
+    bf16_dtypes, capture = LinearOutputDtypes(), CaptureGradients()
+    bf16_mixed = {"losses": _fit(2, 2, STEPS, "bf16-mixed", [bf16_dtypes]), "dtypes": bf16_dtypes.dtypes,
+                  "no_tp_losses": _fit(1, 2, STEPS, "bf16-mixed", [capture]), "no_tp_first_grads": capture.first_grads}
     return {"straight": straight, "scales": watch.scales, "changed": watch.changed, "resumed": resumed,
             "resumed_scales": resumed_watch.scales, "fp16_dtypes": fp16_dtypes.dtypes, "bf16_true": bf16_true,
-            "bf16_true_dtypes": dtypes.dtypes}
+            "bf16_true_dtypes": dtypes.dtypes, "bf16_mixed": bf16_mixed}
 
 
 class LinearOutputDtypes(Callback):
@@ -116,15 +119,10 @@ class LinearOutputDtypes(Callback):
                 module.register_forward_hook(lambda _, __, output: self.dtypes.add(str(output.dtype)))
 
 
-def run_bf16_world() -> dict[str, Any]:
-    dtypes, capture = LinearOutputDtypes(), CaptureGradients()
-    return {"losses": _fit(2, 2, STEPS, "bf16-mixed", [dtypes]), "dtypes": dtypes.dtypes,
-            "no_tp_losses": _fit(1, 2, STEPS, "bf16-mixed", [capture]), "no_tp_first_grads": capture.first_grads}
-
-
 @pytest.fixture(scope="module")
 def fp16(tmp_path_factory) -> list[dict[str, Any]]:
-    return run_distributed(4, "tests.test_precision:run_fp16_world", str(tmp_path_factory.mktemp("fp16")))
+    """Every run of 4 processes: fp16 with a skipped step and a resume, bf16-true, bf16-mixed at 2 layouts."""
+    return run_distributed(4, "tests.test_precision:run_precision_world", str(tmp_path_factory.mktemp("fp16")))
 
 
 def _mean_difference(losses: list[float], reference: list[float]) -> float:
@@ -136,7 +134,7 @@ def _worst_relative_gradient_difference(grads: dict[str, torch.Tensor], referenc
     return max(((grads[name] - reference[name]).norm() / reference[name].norm()).item() for name in grads)
 
 
-BF16_MIXED_LOSS_TOLERANCE = 5e-4  # mean |loss difference| over the steps
+BF16_MIXED_LOSS_TOLERANCE = 6e-4  # mean |loss difference| over the steps
 BF16_MIXED_GRADIENT_TOLERANCE = 5e-3  # ||g - g_ref|| / ||g_ref||, per tensor
 BF16_TRUE_LOSS_TOLERANCE = 2e-3
 FP16_LOSS_TOLERANCE = 3e-4
@@ -151,12 +149,12 @@ def references() -> dict[str, dict[str, Any]]:
             "16-mixed-no-skip": reference_run(STEPS, GLOBAL_BATCH, autocast_dtype=torch.float16)}
 
 
-def test_bf16_mixed_matches_single_process_bf16_and_fp32_is_rejected(references):
+def test_bf16_mixed_matches_single_process_bf16_and_fp32_is_rejected(fp16, references):
     bf16, fp32 = references["bf16-mixed"], references["fp32"]
     # The tolerances reject a run that silently trained in fp32 ...
     assert _mean_difference(fp32["losses"], bf16["losses"]) > BF16_MIXED_LOSS_TOLERANCE
     assert _worst_relative_gradient_difference(fp32["first_grads"], bf16["first_grads"]) > BF16_MIXED_GRADIENT_TOLERANCE
-    ranks = run_distributed(8, "tests.test_precision:run_bf16_world")
+    ranks = [rank["bf16_mixed"] for rank in fp16]
     gradients: dict[str, torch.Tensor] = {}
     for rank in ranks:
         assert rank["dtypes"] == {"torch.bfloat16"}
