@@ -1,7 +1,7 @@
 """Mixed precision under tensor and pipeline parallelism, against single-process runs in the same
 precision, with tolerances shown to reject the wrong precision.
 
-* bf16-mixed at (tp, pp, dp) = (2, 2, 1) and (1, 2, 2): losses of 10 steps against the single-process
+* bf16-mixed at (tp, pp, dp) = (2, 2, 1) with 1F1B and (1, 2, 2) with ZBVZeroBubble + FSDP2: losses of 10 steps against the single-process
   bf16 autocast run (mean |difference| <= 6e-4; the fp32 run differs by 9.5e-4 and is rejected), and at
   (1, 2, 2) every first-step gradient (relative norm of the difference <= 5e-3; fp32's are 1.1e-2 off).
   The fp32 parity tolerance (rtol 1e-5) is shown to reject the bf16 run.
@@ -76,7 +76,7 @@ class WatchScaler(Callback):
 
 
 def _fit(tp: int, pp: int, steps: int, precision: Any, callbacks: list[Callback] = (), ckpt_path: Path | None = None,
-         directory: Path | None = None) -> list[float]:
+         directory: Path | None = None, schedule: str = "1f1b", mode: str = "replicate") -> list[float]:
     dp = world_size() // (tp * pp)
     logger = MemoryLogger()
     options = {"plugins": [precision]} if isinstance(precision, TP3DPrecision) else {"precision": precision}
@@ -84,7 +84,8 @@ def _fit(tp: int, pp: int, steps: int, precision: Any, callbacks: list[Callback]
         devices=world_size(), max_steps=steps, logger=logger, callbacks=list(callbacks),
         enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in callbacks),
         default_root_dir=directory,
-        strategy=TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2), **options))
+        strategy=TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
+                              pipeline_schedule=schedule, data_parallel_mode=mode), **options))
     trainer.fit(CausalLMModule("tiny", learning_rate=LEARNING_RATE),
                 TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2), ckpt_path=ckpt_path)
     return logger.values("train_loss")
@@ -101,7 +102,8 @@ def run_precision_world(directory: str) -> dict[str, Any]:
     bf16_true = _fit(2, 2, STEPS, "bf16-true", [dtypes])
     bf16_dtypes, capture = LinearOutputDtypes(), CaptureGradients()
     bf16_mixed = {"losses": _fit(2, 2, STEPS, "bf16-mixed", [bf16_dtypes]), "dtypes": bf16_dtypes.dtypes,
-                  "no_tp_losses": _fit(1, 2, STEPS, "bf16-mixed", [capture]), "no_tp_first_grads": capture.first_grads}
+                  "no_tp_losses": _fit(1, 2, STEPS, "bf16-mixed", [capture], schedule="zbv_zero_bubble", mode="fsdp"),
+                  "no_tp_first_grads": capture.first_grads}
     return {"straight": straight, "scales": watch.scales, "changed": watch.changed, "resumed": resumed,
             "resumed_scales": resumed_watch.scales, "fp16_dtypes": fp16_dtypes.dtypes, "bf16_true": bf16_true,
             "bf16_true_dtypes": dtypes.dtypes, "bf16_mixed": bf16_mixed}
