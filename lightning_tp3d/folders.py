@@ -67,6 +67,10 @@ def _exchange(first: Path, second: Path) -> bool:
 def replace_folder(staged: Path, path: Path) -> None:
     """Move the complete folder `staged` to `path`. An earlier folder at `path` is swapped out atomically
     where possible (else renamed `<name>.replaced` first) and removed only once `staged` is in place."""
+    # What is removed here is only ever the earlier folder at `path` (for exports and deploy shards
+    # `check_output_folder` has vetted it: ours, empty, or `overwrite`; for checkpoints it is the name the
+    # caller saves to, as Lightning overwrites a checkpoint of the same name), a link or file at that name
+    # (Lightning's `save_last="link"`), and `<name>.replaced`, a name only this module creates.
     if path.is_symlink() or path.is_file():
         path.unlink()
     if not path.exists():
