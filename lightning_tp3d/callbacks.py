@@ -28,6 +28,8 @@ from lightning_tp3d.consistency import (
     TOLERANCES,
     ConsistencyReport,
     compare_outputs,
+    default_tolerance,
+    exact_fp32_matmuls,
     fixed_prompts,
     model_from_hf_folder,
     run_with_layer_outputs,
@@ -128,7 +130,8 @@ class ConsistencyCheck(Callback):
 
     Args:
         output: folder of the export that is checked (kept afterwards).
-        dtype: export dtype; the default tolerance follows it (fp32 1e-5, bf16 1e-2, fp16 1e-3).
+        dtype: export dtype; the default tolerance follows it and the live model's device
+            (`consistency.default_tolerance`: fp32 1e-5 on the CPU, 1e-4 on a GPU; bf16 1e-2, fp16 1e-3).
         tolerance: max |logit diff| allowed.
         prompt_lengths: lengths of the fixed prompts.
         use_transformers: load the export with transformers when it is installed.
@@ -142,7 +145,9 @@ class ConsistencyCheck(Callback):
         self.output = Path(output)
         self.overwrite = overwrite
         self.dtype = dtype
-        self.tolerance = TOLERANCES[dtype] if tolerance is None else tolerance
+        if dtype not in TOLERANCES:
+            raise ValueError(f"dtype={dtype!r} is not one of {sorted(TOLERANCES)}.")
+        self.tolerance = tolerance
         self.prompt_lengths = tuple(prompt_lengths)
         self.use_transformers = use_transformers
         self.raise_on_failure = raise_on_failure
@@ -157,13 +162,17 @@ class ConsistencyCheck(Callback):
                                                                            self.prompt_lengths)]
         was_training = network.training
         network.eval()
-        live = _gather_to_rank_zero(run_with_layer_outputs(network, prompts), trainer)
+        with exact_fp32_matmuls():
+            live = _gather_to_rank_zero(run_with_layer_outputs(network, prompts), trainer)
         network.train(was_training)
+        tolerance = self.tolerance
+        if tolerance is None:
+            tolerance = default_tolerance(self.dtype, pl_module.device.type)
         _export_live_model(trainer, self.output, dtype=self.dtype, overwrite=self.overwrite)
         if trainer.is_global_zero:
             exported = model_from_hf_folder(self.output, use_transformers=self.use_transformers)
             self.report = compare_outputs(live, run_with_layer_outputs(exported, [p.cpu() for p in prompts]),
-                                          self.tolerance)
+                                          tolerance)
             if trainer.logger is not None:
                 trainer.logger.log_metrics({"consistency/max_abs_diff": self.report.max_abs_diff,
                                             "consistency/kl": self.report.kl}, step=trainer.global_step)

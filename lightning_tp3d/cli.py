@@ -214,6 +214,13 @@ def _doctor_parser(subparsers: argparse._SubParsersAction) -> None:
     doctor.set_defaults(run=_run_doctor)
 
 
+def doctor_device_type(backend: str) -> str:
+    """Where the doctor's buffers live: CUDA for NCCL, the CPU for gloo (also on a GPU machine)."""
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"--backend {backend!r} is not one of 'nccl', 'gloo'.")
+    return "cuda" if backend == "nccl" else "cpu"
+
+
 def _run_doctor(args: argparse.Namespace) -> int:
     import os
     from datetime import timedelta
@@ -225,17 +232,18 @@ def _run_doctor(args: argparse.Namespace) -> int:
     from lightning_tp3d.doctor import run_doctor
     from lightning_tp3d.mesh import build_device_mesh
 
-    cuda = torch.cuda.is_available()
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device_type = doctor_device_type(backend)
     timeout = timedelta(seconds=args.timeout)
     if not dist.is_initialized():
         enable_collective_recording()
-        if cuda:
+        if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(args.backend or ("nccl" if cuda else "gloo"), timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
     layout = ParallelLayout.resolve(world_size=dist.get_world_size(), tensor_parallel_size=args.tp,
                                     pipeline_parallel_size=args.pp,
                                     data_parallel_size=args.dp if args.dp == "auto" else int(args.dp))
-    mesh = build_device_mesh(layout, "cuda" if cuda else "cpu", timeout)
+    mesh = build_device_mesh(layout, device_type, timeout)
     report = run_doctor(layout, mesh, [parse_size(size) for size in args.sizes], args.iterations)
     if dist.get_rank() == 0:
         print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())

@@ -8,6 +8,11 @@ Two torch facts (2.13) shape this module:
   3000ms for recv operation to complete"). torch's flight recorder (`TORCH_FR_BUFFER_SIZE`, enabled by
   `enable_collective_recording` before the groups exist) keeps the last collectives of each rank with
   their group description (`mesh_tp`, ...) and operation, from which `CollectiveTimeoutError` is built.
+* NCCL keeps its own recorder (`_dump_nccl_trace_json`), read first when it exists. A NCCL timeout
+  usually never reaches Python: the watchdog aborts the process. `enable_collective_recording` therefore
+  also asks the watchdog to dump every rank's recorder on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`, files
+  `TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>`, default `/tmp/tp3d_nccl_trace_rank_<rank>`), which
+  `python -m torch.distributed.flight_recorder.fr_trace` turns into the name of the stuck collective.
 """
 
 from __future__ import annotations
@@ -44,8 +49,12 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 def enable_collective_recording() -> None:
-    """Turn on torch's flight recorder for the groups created afterwards (unless the user configured it)."""
+    """Turn on torch's flight recorders (gloo's and NCCL's) for the groups created afterwards, and NCCL's
+    dump on a watchdog timeout, unless the user configured them."""
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", _RECORDED_COLLECTIVES)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", _RECORDED_COLLECTIVES)
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/tp3d_nccl_trace_rank_")
 
 
 def mesh_group_options(backend: str, timeout: timedelta, dim_names: tuple[str, ...]) -> dict[str, Any]:
@@ -58,14 +67,22 @@ def mesh_group_options(backend: str, timeout: timedelta, dim_names: tuple[str, .
     return {name: (backend, options) for name in dim_names}
 
 
-def _last_recorded_collective() -> dict[str, Any] | None:
+def _recorded_entries(dump_name: str) -> list[dict[str, Any]]:
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        import torch._C._distributed_c10d as c10d
 
-        entries = json.loads(_dump_fr_trace_json(True, True)).get("entries", [])
-    except Exception:  # noqa: BLE001 - recording off or unavailable: the error stays unnamed
-        return None
-    return max(entries, key=lambda entry: entry.get("record_id", 0)) if entries else None
+        return json.loads(getattr(c10d, dump_name)(True, True)).get("entries", [])
+    except Exception:  # noqa: BLE001 - recorder off or not built: nothing to name the failure with
+        return []
+
+
+def _last_recorded_collective() -> dict[str, Any] | None:
+    """The newest entry of NCCL's recorder (GPU groups), else of the generic one (gloo groups)."""
+    for dump_name in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
+        entries = _recorded_entries(dump_name)
+        if entries:
+            return max(entries, key=lambda entry: entry.get("record_id", 0))
+    return None
 
 
 def describe_failed_collective(error: BaseException, mesh: DeviceMesh | None, timeout: timedelta | None) -> str | None:

@@ -34,10 +34,11 @@ from lightning_tp3d.data.sampler import SamplePosition
 from lightning_tp3d.doctor import DoctorReport, run_doctor
 from lightning_tp3d.export import load_hf_weights
 from lightning_tp3d.layout import LayoutError, ParallelLayout
-from lightning_tp3d.mesh import build_device_mesh
+from lightning_tp3d.mesh import build_device_mesh, mesh_device
 from lightning_tp3d.models.llama import causal_lm_loss
 from lightning_tp3d.parallel.data import DATA_PARALLEL_MODES, all_reduce_gradients, apply_fsdp
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
+from lightning_tp3d.parallel.materialize import materialize_network
 from lightning_tp3d.parallel.pipeline import (
     PipelinePlan,
     PipelineRunner,
@@ -216,7 +217,8 @@ class ParallelCore:
                     device: torch.device) -> bool:
         """Pipeline split, then tensor parallel (DTensor weights over tp), then activation recompute, then
         FSDP2 over dp, which must wrap parameters that are already DTensors (and whose units must contain
-        the recomputed code, so the recompute runs on unsharded parameters). `loss_scale()` is what the
+        the recomputed code, so the recompute runs on unsharded parameters); a network built on the meta
+        device is then materialised on `device` as this rank's shard only (`materialize_network`). `loss_scale()` is what the
         pipeline schedule multiplies the loss by before its backward (fp16 scale / accumulation).
 
         Runs once per network (returns False when `network` is already parallel).
@@ -243,6 +245,7 @@ class ParallelCore:
                        reshard_after_forward=pipeline_plan is None)
         if pipeline_plan is not None:
             self._install_pipeline(network, pipeline_plan, stage_modules, loss_scale, device)
+        materialize_network(network, device)
         self._parallelized = network
         return True
 
@@ -365,7 +368,7 @@ class ParallelCore:
 
     def clip_gradients_by_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale gradients so their global 2-norm (tp shards, dp shards, pp stages) is at most `max_norm`."""
-        return clip_grad_norm_(parameters, max_norm, self.group("pp"))
+        return clip_grad_norm_(parameters, max_norm, self.group("pp"), mesh_device(self.mesh))
 
     @staticmethod
     def clip_gradients_by_value(parameters: Iterable[nn.Parameter], clip_value: float) -> None:

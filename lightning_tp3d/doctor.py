@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import socket
 import statistics
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -27,6 +26,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp3d.layout import ParallelLayout
+from lightning_tp3d.mesh import mesh_device
+from lightning_tp3d.timing import DeviceInterval
 
 __all__ = ["DEFAULT_SIZES", "DoctorReport", "Measurement", "diagnose", "run_doctor"]
 
@@ -71,15 +72,16 @@ class DoctorReport:
         return "\n".join(lines)
 
 
-def _timed(operation: Any, iterations: int, warmup: int, group: dist.ProcessGroup) -> float:
+def _timed(operation: Any, iterations: int, warmup: int, group: dist.ProcessGroup, device_type: str) -> float:
+    """Median seconds of `operation` on the device's clock (CUDA events on a GPU, see `DeviceInterval`)."""
     for _ in range(warmup):
         operation()
     samples = []
     for _ in range(iterations):
         dist.barrier(group=group)
-        started = time.perf_counter()
+        interval = DeviceInterval(device_type)
         operation()
-        samples.append(time.perf_counter() - started)
+        samples.append(interval.stop().seconds)
     return statistics.median(samples)
 
 
@@ -91,7 +93,7 @@ def _measure_dimension(mesh: DeviceMesh, dimension: str, size: int, iterations: 
         return None
     buffer = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
     if dimension != "pp":
-        seconds = _timed(lambda: dist.all_reduce(buffer, group=group), iterations, warmup, group)
+        seconds = _timed(lambda: dist.all_reduce(buffer, group=group), iterations, warmup, group, device.type)
         return ranks, "all_reduce", seconds
     position = ranks.index(dist.get_rank())
     next_rank, previous_rank = ranks[(position + 1) % len(ranks)], ranks[position - 1]
@@ -103,15 +105,14 @@ def _measure_dimension(mesh: DeviceMesh, dimension: str, size: int, iterations: 
         for request in dist.batch_isend_irecv(operations):
             request.wait()
 
-    seconds = _timed(send_recv, iterations, warmup, group)
+    seconds = _timed(send_recv, iterations, warmup, group, device.type)
     return (dist.get_rank(), next_rank), "send_recv", seconds
 
 
 def run_doctor(layout: ParallelLayout, mesh: DeviceMesh, sizes: Sequence[int] = DEFAULT_SIZES, iterations: int = 5,
                warmup: int = 2, environment: Mapping[str, str] | None = None) -> DoctorReport:
     """Measure every mesh dimension; a collective over all ranks, which all receive the whole report."""
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
-        torch.device("cpu")
+    device = mesh_device(mesh)
     world = dist.get_world_size()
     hosts: list[str] = [""] * world
     dist.all_gather_object(hosts, socket.gethostname())

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_tp3d.collectives import mesh_group_options
 from lightning_tp3d.layout import LayoutError, ParallelLayout
 
-__all__ = ["build_device_mesh"]
+__all__ = ["build_device_mesh", "mesh_device"]
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's mesh groups communicate on: tensors given to their collectives live there."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def build_device_mesh(layout: ParallelLayout, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.distributed.tensor import DTensor
 
 from lightning_tp3d.ledger import training_flops_per_token
+from lightning_tp3d.mesh import mesh_device
 from lightning_tp3d.parallel.grad_norm import global_grad_norm
 
 __all__ = ["TP3DThroughputMonitor", "local_storage_bytes"]
@@ -112,8 +113,10 @@ class TP3DThroughputMonitor(ThroughputMonitor):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         # After unscaling, before clipping: a collective over every rank.
         parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-        norm = global_grad_norm(parameters, trainer.strategy.device_mesh["pp"].get_group())
+        mesh = trainer.strategy.device_mesh
+        norm = global_grad_norm(parameters, mesh["pp"].get_group(), mesh_device(mesh))
         pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False, sync_dist=False)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
-            pl_module.log("train/loss_scale", float(scaler.get_scale()), on_step=True, on_epoch=False)
+            # the scale tensor, not `get_scale()`: no host synchronisation in the step
+            pl_module.log("train/loss_scale", scaler._get_scale_async(), on_step=True, on_epoch=False)

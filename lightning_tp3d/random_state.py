@@ -1,8 +1,10 @@
 """A process's random-number state as plain tensors and numbers, so it can be saved per rank and read
 back with `torch.load(..., weights_only=True)` (no pickled Python or NumPy objects).
 
-Covered: torch's CPU generator, every CUDA device's generator when CUDA is initialised, Python's
-`random` and NumPy's legacy global generator (`np.random.seed` / `np.random.rand`).
+Covered: torch's CPU generator, the generator of the rank's own CUDA device (the current device) when
+CUDA is initialised, Python's `random` and NumPy's legacy global generator (`np.random.seed` /
+`np.random.rand`). Only the rank's own device: a process that sees all 8 GPUs of a node (torchrun) and
+one that sees only its own (SLURM, one GPU per task) save and restore the same state.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def capture_rng_state() -> dict[str, Any]:
                   "position": int(position), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -39,4 +41,4 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((numpy["bit_generator"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
                          numpy["has_gauss"], numpy["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())

@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 import types
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -215,6 +216,14 @@ class TP3DStrategy(ModelParallelStrategy):
                                           extract_batch_size(batch) * self.layout.data_parallel_size)
 
     # ------------------------------------------------------------------ model
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """`configure_model` builds on the meta device unless `empty_init=False`: `setup` materialises only
+        this rank's shard (its stages, tp slice and FSDP rows) after parallelising."""
+        with super().tensor_init_context(empty_init=empty_init is not False):
+            yield
+
     @property
     def network(self) -> nn.Module:
         """The LightningModule's network (`model_attribute`), sharded once the strategy is set up."""

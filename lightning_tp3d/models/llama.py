@@ -15,11 +15,14 @@ parallel q/k/v projection each tp rank runs attention over its own `heads / tp` 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_tp3d.config import ModelConfig
+from lightning_tp3d.parallel.materialize import local_region, seeded_normal_
 
 __all__ = ["IGNORE_INDEX", "LlamaForCausalLM", "causal_lm_loss"]
 
@@ -36,8 +39,13 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        local_region(self.weight)[0].fill_(1.0)
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
@@ -51,8 +59,17 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+@functools.lru_cache(maxsize=8)
 def _rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype):
-    """cos/sin of angle(p, i) = p / theta^(2i / head_dim), duplicated over both halves (rotate-half RoPE)."""
+    """cos/sin of angle(p, i) = p / theta^(2i / head_dim), duplicated over both halves (rotate-half RoPE).
+
+    Computed once per (length, device, dtype) and shared by every layer; made outside inference mode so a
+    table first built during validation can be saved for a later training backward."""
+    with torch.inference_mode(False):
+        return _rotary_tables(seq_len, head_dim, theta, device, dtype)
+
+
+def _rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype):
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
@@ -85,12 +102,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """softmax(q k^T / sqrt(d) + causal mask) v, with each kv head shared by a group of q heads; the
-        part that selective recompute recomputes instead of keeping (`TP3DStrategy(recompute="selective")`)."""
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        """softmax(q k^T / sqrt(d) + causal mask) v, with each kv head shared by a group of q heads (SDPA's
+        grouped-query mode: k and v are not copied per q head); the part that selective recompute
+        recomputes instead of keeping (`TP3DStrategy(recompute="selective")`)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 class MLP(nn.Module):
@@ -150,23 +166,32 @@ class LlamaForCausalLM(nn.Module):
 
     loss_function = staticmethod(causal_lm_loss)
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, init_seed: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.init_seed = init_seed
         self.model = LlamaModel(config)
         self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.init_weights()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, initializer_range) for projections and embedding, ones for norms (as transformers)."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(mean=0.0, std=self.config.initializer_range)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+        """Normal(0, initializer_range) for projections and embedding, ones for norms (as transformers).
+
+        Each weight is drawn from (`init_seed`, its global name) alone (`seeded_normal_`), so a network
+        built on the meta device and materialised as a shard (pruned to pipeline stages, sliced by tp and
+        FSDP) holds exactly its part of the weights one process builds for the whole network."""
+        initialised: set[int] = set()  # a tied weight takes the values of its first name
+        for module_name, module in self.named_modules():
+            if not isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)) or id(module.weight) in initialised:
+                continue
+            initialised.add(id(module.weight))
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+            else:
+                seeded_normal_(module.weight, f"{module_name}.weight", self.init_seed, self.config.initializer_range)
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor:
         x = self.model(input_ids)

@@ -31,8 +31,8 @@ class CausalLMModule(L.LightningModule):
         learning_rate, weight_decay, betas: AdamW settings.
         warmup_steps: optimizer steps of linear learning-rate warm-up (`lr x min(1, (step + 1) / warmup_steps)`);
             0 keeps the rate constant.
-        init_seed: seed of the weight initialisation, independent of the rank's random state, so every
-            layout starts from identical weights.
+        init_seed: seed of the weight initialisation; weights are a function of (seed, parameter name) only,
+            independent of the rank's random state, so every layout starts from identical weights.
     """
 
     def __init__(
@@ -52,9 +52,8 @@ class CausalLMModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        with torch.random.fork_rng():
-            torch.manual_seed(self.hparams.init_seed)
-            self.model = LlamaForCausalLM(self.config)
+        # Under TP3DStrategy this runs on the meta device; the strategy materialises only this rank's shard.
+        self.model = LlamaForCausalLM(self.config, init_seed=self.hparams.init_seed)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)

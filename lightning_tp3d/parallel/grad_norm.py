@@ -36,18 +36,20 @@ def _group_gradients(parameters: Iterable[nn.Parameter]) -> dict[object, list[nn
 
 @torch.no_grad()
 def global_grad_norm(
-    parameters: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | None = None, norm_type: float = 2.0
+    parameters: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu", norm_type: float = 2.0,
 ) -> torch.Tensor:
-    """The 2-norm of all gradients of the model across tp, dp shards and pp stages (a float32 scalar)."""
+    """The 2-norm of all gradients of the model across tp, dp shards and pp stages (a float32 scalar on
+    `device`, the pp group's device: a rank without gradients still all-reduces a tensor NCCL accepts)."""
     if norm_type != 2.0:
         raise ValueError(f"only the 2-norm is supported across pipeline stages, got norm_type={norm_type}.")
     groups = _group_gradients(parameters)
-    squared = torch.zeros((), dtype=torch.float32)
+    squared = torch.zeros((), dtype=torch.float32, device=device)
     for members in groups.values():
         norm = get_total_norm([parameter.grad for parameter in members], norm_type)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        squared = squared.to(norm.device) + norm.float() ** 2
+        squared = squared + norm.float().to(squared.device) ** 2
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(squared, group=pp_group)
     return squared.sqrt()
@@ -55,11 +57,12 @@ def global_grad_norm(
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
+    parameters: Iterable[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Scale every gradient by min(1, max_norm / (||g|| + 1e-6)) with the global norm; returns ||g||."""
     parameters = list(parameters)
-    total_norm = global_grad_norm(parameters, pp_group)
+    total_norm = global_grad_norm(parameters, pp_group, device)
     clip_coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for parameter in parameters:
         grad = parameter.grad

@@ -18,7 +18,6 @@ hold equally many target tokens (always, without ignored labels).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,8 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
+
+from lightning_tp3d.timing import DeviceInterval
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -50,6 +51,7 @@ PIPELINE_SCHEDULES: dict[str, str] = {
     "dualpipev": "DualPipeV",
 }
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.long]
+_MAX_DIMS = 8  # dims of a tensor sent between stages in forward-only runs
 _LOOPED = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble"}
 _V_SHAPED = {"zbv_zero_bubble", "dualpipev"}
 # Schedules that run the first backward before all forwards are done need one micro-batch per stage.
@@ -152,34 +154,58 @@ class StageModule(nn.Module):
         return x
 
 
-@dataclass
 class StageTiming:
-    """Wall time of the last training step on this rank and the time its stages spent computing.
+    """Time of the last training step on this rank and the time its stages spent computing.
 
     busy = time inside this rank's stages' forward, backward and weight-gradient chunks (communication
-    excluded), idle = step - busy. Theory for GPipe / 1F1B with p
-    stages and m micro-batches: idle fraction (p - 1) / (m + p - 1).
+    excluded), idle = step - busy. Theory for GPipe / 1F1B with p stages and m micro-batches: idle
+    fraction (p - 1) / (m + p - 1). Measured on the device's clock (`DeviceInterval`: CUDA events on a
+    GPU), resolved when read, so an unread timing costs the step no synchronisation.
     """
 
-    step_seconds: float = 0.0
-    busy_seconds: float = 0.0
+    def __init__(self, device_type: str = "cpu") -> None:
+        self.device_type = device_type
+        self._step: DeviceInterval | None = None
+        self._chunks: list[DeviceInterval] = []
+
+    def start_step(self) -> None:
+        self._chunks = []
+        self._step = DeviceInterval(self.device_type)
+
+    def stop_step(self) -> None:
+        if self._step is not None:
+            self._step.stop()
+
+    def chunk(self) -> DeviceInterval:
+        interval = DeviceInterval(self.device_type)
+        self._chunks.append(interval)
+        return interval
+
+    @property
+    def step_seconds(self) -> float:
+        return self._step.seconds if self._step is not None else 0.0
+
+    @property
+    def busy_seconds(self) -> float:
+        return sum(interval.seconds for interval in self._chunks)
 
     @property
     def idle_fraction(self) -> float:
-        return max(0.0, 1.0 - self.busy_seconds / self.step_seconds) if self.step_seconds else 0.0
+        step = self.step_seconds
+        return max(0.0, 1.0 - self.busy_seconds / step) if step else 0.0
 
 
 def _time_compute(stage: PipelineStage, timing: StageTiming) -> None:
-    """Add the time of the stage's forward / backward / weight-gradient chunks to `timing.busy_seconds`."""
+    """Time the stage's forward / backward / weight-gradient chunks into `timing`."""
     for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         compute = getattr(stage, name)
 
         def timed(*args: object, _compute=compute, **kwargs: object) -> object:
-            started = time.perf_counter()
+            interval = timing.chunk()
             try:
                 return _compute(*args, **kwargs)
             finally:
-                timing.busy_seconds += time.perf_counter() - started
+                interval.stop()
 
         setattr(stage, name, timed)
 
@@ -209,7 +235,7 @@ class PipelineRunner:
         self._last_stage_src = dist.get_global_rank(pp_group, plan.last_stage_pp_rank)
         self.has_first_stage = 0 in plan.stage_indices
         self.has_last_stage = plan.num_stages - 1 in plan.stage_indices
-        self.timing = StageTiming()
+        self.timing = StageTiming(device.type)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) * self.loss_scale
@@ -252,19 +278,22 @@ class PipelineRunner:
         return x if self.has_last_stage else None
 
     def _send(self, tensor: torch.Tensor, pp_rank: int) -> None:
+        """Header [ndim, dtype index, *shape] in a fixed-size message, then the tensor; every message is
+        on the stage's device (a NCCL group refuses CPU tensors)."""
         destination = dist.get_global_rank(self.pp_group, pp_rank)
-        header = torch.tensor([_DTYPES.index(tensor.dtype), *tensor.shape], dtype=torch.long)
-        dist.send(torch.tensor([header.numel()]), destination, group=self.pp_group)
+        if tensor.ndim > _MAX_DIMS:
+            raise ValueError(f"a pipeline stage output has {tensor.ndim} dims; at most {_MAX_DIMS} can be sent.")
+        header = torch.zeros(_MAX_DIMS + 2, dtype=torch.long, device=self.device)
+        header[:tensor.ndim + 2] = torch.tensor([tensor.ndim, _DTYPES.index(tensor.dtype), *tensor.shape])
         dist.send(header, destination, group=self.pp_group)
         dist.send(tensor.contiguous(), destination, group=self.pp_group)
 
     def _receive(self, pp_rank: int) -> torch.Tensor:
         source = dist.get_global_rank(self.pp_group, pp_rank)
-        length = torch.empty(1, dtype=torch.long)
-        dist.recv(length, source, group=self.pp_group)
-        header = torch.empty(int(length), dtype=torch.long)
+        header = torch.empty(_MAX_DIMS + 2, dtype=torch.long, device=self.device)
         dist.recv(header, source, group=self.pp_group)
-        tensor = torch.empty(header[1:].tolist(), dtype=_DTYPES[int(header[0])], device=self.device)
+        ndim, dtype_index, *shape = header.tolist()
+        tensor = torch.empty(shape[:ndim], dtype=_DTYPES[dtype_index], device=self.device)
         dist.recv(tensor, source, group=self.pp_group)
         return tensor
 
@@ -295,10 +324,9 @@ class PipelineRunner:
         schedule = self._schedule(input_ids.shape)
         args = (input_ids,) if self.has_first_stage else ()
         losses: list[torch.Tensor] = []
-        self.timing.busy_seconds = 0.0
-        started = time.perf_counter()
+        self.timing.start_step()
         schedule.step(*args, target=labels if self.has_last_stage else None, losses=losses)
-        self.timing.step_seconds = time.perf_counter() - started
+        self.timing.stop_step()
         loss = None
         if self.has_last_stage:
             loss = torch.stack([value.detach() for value in losses]).mean() / self.loss_scale

@@ -32,6 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from lightning_tp3d.parallel.materialize import tied_parameter_groups
+
 __all__ = [
     "TensorParallelPlan",
     "apply_tensor_parallel",
@@ -94,17 +96,9 @@ def check_plan_matches(model: nn.Module, plan: TensorParallelPlan) -> None:
             )
 
 
-def _tied_parameter_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, parameter in module.named_parameters(recurse=False):
-            owners.setdefault(id(parameter), []).append((module, name))
-    return [group for group in owners.values() if len(group) > 1]
-
-
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> nn.Module:
     """Shard `model` in place over `tp_mesh` following `plan`; tied parameters stay tied."""
-    tied_groups = _tied_parameter_groups(model)
+    tied_groups = tied_parameter_groups(model)
     parallelize_module(model, tp_mesh, dict(plan))
     for group in tied_groups:
         (first_module, first_name), *others = group
