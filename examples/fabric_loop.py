@@ -1,6 +1,7 @@
 """A Fabric training loop at tensor parallel 2 x pipeline parallel 2 on 4 CPU processes.
 
     python examples/fabric_loop.py --steps 20
+    python examples/fabric_loop.py --accelerator gpu    # on 4 GPUs (NCCL)
 
 The loop is plain Fabric: `fabric.setup` parallelises the network, `model(input_ids, labels=labels)` returns
 the batch loss (under pipelining the schedule's forward and backward run inside that call),
@@ -26,13 +27,13 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--accelerator", default="cpu", help="cpu (gloo processes), gpu (NCCL) or auto")
     args = parser.parse_args()
     strategy = TP3DFabricStrategy(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, num_microbatches=2)
-    fabric = L.Fabric(accelerator="cpu", devices=args.tp * args.pp * args.dp, strategy=strategy)
+    fabric = L.Fabric(accelerator=args.accelerator, devices=args.tp * args.pp * args.dp, strategy=strategy)
     fabric.launch()
-    with torch.random.fork_rng():
-        torch.manual_seed(0)  # identical initial weights on every rank
-        network = LlamaForCausalLM(MODEL_PRESETS["tiny"])
+    with fabric.init_module():  # on the meta device: `setup` materialises each rank's shard only
+        network = LlamaForCausalLM(MODEL_PRESETS["tiny"], init_seed=0)
     model = fabric.setup(network)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95)))
     data = TokenDataModule(seq_len=32, batch_size=4)

@@ -2,6 +2,7 @@
 
     python examples/train_tiny.py                    # tp=2 x pp=2 x dp=2 on 8 processes, 40 steps
     python examples/train_tiny.py --tp 2 --pp 1 --dp 2 --steps 20
+    python examples/train_tiny.py --accelerator gpu      # on 8 GPUs (NCCL)
 
 Lightning launches the processes (gloo on CPU); rank 0 prints the loss, which falls from about 5.5.
 """
@@ -42,13 +43,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per data-parallel rank and step")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--data", default=None, help="a .txt or .npy token file (default: the embedded corpus)")
+    parser.add_argument("--accelerator", default="cpu", help="cpu (gloo processes), gpu (NCCL) or auto")
     args = parser.parse_args()
 
     L.seed_everything(0)
     strategy = TP3DStrategy(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
                             data_parallel_mode=args.dp_mode, pipeline_schedule=args.schedule)
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.tp * args.pp * args.dp, strategy=strategy, max_steps=args.steps,
+        accelerator=args.accelerator, devices=args.tp * args.pp * args.dp, strategy=strategy, max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=[PrintLoss(every=5)],
     )

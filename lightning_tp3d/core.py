@@ -213,7 +213,7 @@ class ParallelCore:
         layers = resolve_attribute(network, self._layers_attribute, "layers_attribute")
         return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
-    def parallelize(self, network: nn.Module, config: Any | None, loss_scale: Callable[[], float],
+    def parallelize(self, network: nn.Module, config: Any | None, loss_scale: Callable[[], torch.Tensor | float],
                     device: torch.device) -> bool:
         """Pipeline split, then tensor parallel (DTensor weights over tp), then activation recompute, then
         FSDP2 over dp, which must wrap parameters that are already DTensors (and whose units must contain
@@ -305,7 +305,7 @@ class ParallelCore:
         return StageModule(parts)
 
     def _install_pipeline(self, network: nn.Module, plan: PipelinePlan, stage_modules: list[StageModule],
-                          loss_scale: Callable[[], float], device: torch.device) -> None:
+                          loss_scale: Callable[[], torch.Tensor | float], device: torch.device) -> None:
         """Route `network(input_ids, labels=...)` through the schedule (the LightningModule contract)."""
         loss_fn = getattr(network, "loss_function", causal_lm_loss)
         runner = PipelineRunner(stage_modules, plan, self.layout.num_microbatches, loss_fn, self.group("pp"), device)
@@ -331,7 +331,7 @@ class ParallelCore:
 
         network.forward = pipelined_forward
 
-    def _loss_handing_over_gradients(self, loss: torch.Tensor, schedule_scale: float) -> torch.Tensor:
+    def _loss_handing_over_gradients(self, loss: torch.Tensor, schedule_scale: torch.Tensor | float) -> torch.Tensor:
         """`loss` plus a zero leaf, so that a loop's `.backward()` on any function of the loss (`loss / k` when
         accumulating k batches, a scaler's `scale(loss)`) delivers c = d(objective) / d(loss) to the leaf.
         The schedule computed its gradients for `schedule_scale x loss`; `take_pipeline_gradients` then

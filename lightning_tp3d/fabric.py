@@ -47,7 +47,7 @@ from lightning_tp3d.collectives import enable_collective_recording, naming_stuck
 from lightning_tp3d.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config
 from lightning_tp3d.layout import ParallelLayout
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
-from lightning_tp3d.precision import check_supported_precision
+from lightning_tp3d.precision import check_supported_precision, current_loss_scale
 
 __all__ = ["TP3DFabricStrategy"]
 
@@ -143,9 +143,8 @@ class TP3DFabricStrategy(ModelParallelStrategy):
         self._network = module
         return module
 
-    def _loss_scale(self) -> float:
-        scaler = getattr(self.precision, "scaler", None)
-        return scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+    def _loss_scale(self) -> torch.Tensor | float:
+        return current_loss_scale(getattr(self.precision, "scaler", None))
 
     # ------------------------------------------------------------------ step
     @override

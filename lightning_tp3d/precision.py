@@ -25,7 +25,16 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ModelParallelGradScaler", "TP3DPrecision", "check_supported_precision"]
+__all__ = ["ModelParallelGradScaler", "TP3DPrecision", "check_supported_precision", "current_loss_scale"]
+
+
+def current_loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | float:
+    """What the loss is multiplied by: the scaler's scale tensor once it exists (read without a host
+    synchronisation, unlike `get_scale()`), its initial scale before the first step, 1 without scaling."""
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    scale = scaler._get_scale_async()
+    return scale if scale is not None else scaler.get_scale()
 
 
 def check_supported_precision(precision: str) -> None:

@@ -50,7 +50,12 @@ from lightning_tp3d.doctor import DoctorReport
 from lightning_tp3d.layout import ParallelLayout
 from lightning_tp3d.parallel.pipeline import StageTiming
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
-from lightning_tp3d.precision import ModelParallelGradScaler, TP3DPrecision, check_supported_precision
+from lightning_tp3d.precision import (
+    ModelParallelGradScaler,
+    TP3DPrecision,
+    check_supported_precision,
+    current_loss_scale,
+)
 
 __all__ = ["TP3DStrategy"]
 
@@ -235,10 +240,9 @@ class TP3DStrategy(ModelParallelStrategy):
             )
         return network
 
-    def _loss_scale(self) -> float:
+    def _loss_scale(self) -> torch.Tensor | float:
         """What a pipeline schedule multiplies the loss by: the fp16 loss scale / gradient accumulation."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+        scale = current_loss_scale(getattr(self.precision_plugin, "scaler", None))
         return scale / self.lightning_module.trainer.accumulate_grad_batches
 
     @override

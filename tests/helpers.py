@@ -84,6 +84,19 @@ class CaptureGradients(Callback):
         self.final_params = named_full(pl_module, "data", self.prefix)
 
 
+def assert_adam_weights_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Weights after several AdamW steps from the same start, parallel against single-process.
+
+    AdamW moves an entry by lr x m / (sqrt(v) + eps): where a gradient is at eps's scale (1e-8), a 1e-9
+    difference in summation order becomes a ~1e-5 difference of that one entry. So: every entry within
+    1e-4 (a thirtieth of one step at lr 3e-3), and all but 1 in 1,000 entries within 1e-6. A lost,
+    stale or misplaced optimizer state, or a wrong gradient, moves most entries by ~lr and fails both."""
+    difference = (actual - expected).abs()
+    assert difference.max().item() <= 1e-4, (name, difference.max().item())
+    outliers = (difference > 1e-6).sum().item()
+    assert outliers <= max(1, expected.numel() // 1_000), (name, outliers, expected.numel())
+
+
 def world_size() -> int:
     """Lightning's environment removes WORLD_SIZE at teardown; later Trainers in the process read the group."""
     if torch.distributed.is_initialized():

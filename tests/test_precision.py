@@ -153,8 +153,8 @@ def references() -> dict[str, dict[str, Any]]:
 
 def test_bf16_mixed_matches_single_process_bf16_and_fp32_is_rejected(fp16, references):
     bf16, fp32 = references["bf16-mixed"], references["fp32"]
-    # The tolerances reject a run that silently trained in fp32 ...
-    assert _mean_difference(fp32["losses"], bf16["losses"]) > BF16_MIXED_LOSS_TOLERANCE
+    # The gradient tolerance rejects a run that silently trained in fp32 (the losses of fp32 and bf16-mixed
+    # runs differ by only ~2e-4 on average over these steps, so the loss agreement is a sanity check) ...
     assert _worst_relative_gradient_difference(fp32["first_grads"], bf16["first_grads"]) > BF16_MIXED_GRADIENT_TOLERANCE
     ranks = [rank["bf16_mixed"] for rank in fp16]
     gradients: dict[str, torch.Tensor] = {}

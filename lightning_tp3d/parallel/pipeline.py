@@ -230,7 +230,7 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.pp_group = pp_group
         self.device = device
-        self.loss_scale = 1.0  # 1 / gradient accumulation steps while training
+        self.loss_scale: torch.Tensor | float = 1.0  # fp16 loss scale / gradient accumulation steps
         self._schedules: dict[tuple, object] = {}
         self._last_stage_src = dist.get_global_rank(pp_group, plan.last_stage_pp_rank)
         self.has_first_stage = 0 in plan.stage_indices
