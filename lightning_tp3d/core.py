@@ -159,6 +159,7 @@ class ParallelCore:
         self._parallelized: nn.Module | None = None
         self._pending_gradients: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._pending_factor: torch.Tensor | None = None
+        self.last_clip_norm: torch.Tensor | None = None
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> ParallelCore:
@@ -367,8 +368,10 @@ class ParallelCore:
             all_reduce_gradients(parameters, self.group("dp"), self.layout.data_parallel_size)
 
     def clip_gradients_by_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """Scale gradients so their global 2-norm (tp shards, dp shards, pp stages) is at most `max_norm`."""
-        return clip_grad_norm_(parameters, max_norm, self.group("pp"), mesh_device(self.mesh))
+        """Scale gradients so their global 2-norm (tp shards, dp shards, pp stages) is at most `max_norm`;
+        returns that norm (kept as `last_clip_norm`, which the throughput monitor logs)."""
+        self.last_clip_norm = clip_grad_norm_(parameters, max_norm, self.group("pp"), mesh_device(self.mesh))
+        return self.last_clip_norm
 
     @staticmethod
     def clip_gradients_by_value(parameters: Iterable[nn.Parameter], clip_value: float) -> None:

@@ -110,13 +110,24 @@ class TP3DThroughputMonitor(ThroughputMonitor):
         metrics = {f"{stage.value}{separator}{key}": value for key, value in metrics.items()}
         trainer._logger_connector.log_metrics(metrics, step=iter_num)
 
+    @staticmethod
+    def _clips_by_norm(trainer: L.Trainer) -> bool:
+        return bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm == "norm"
+
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        # After unscaling, before clipping: a collective over every rank.
-        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-        mesh = trainer.strategy.device_mesh
-        norm = global_grad_norm(parameters, mesh["pp"].get_group(), mesh_device(mesh))
-        pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False, sync_dist=False)
+        # After unscaling, before clipping. When the run clips by norm, the clipping computes the same
+        # global norm right after this hook: it is logged from there (`on_before_zero_grad`), not twice.
+        if not self._clips_by_norm(trainer):
+            parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+            mesh = trainer.strategy.device_mesh
+            norm = global_grad_norm(parameters, mesh["pp"].get_group(), mesh_device(mesh))
+            pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False, sync_dist=False)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             # the scale tensor, not `get_scale()`: no host synchronisation in the step
             pl_module.log("train/loss_scale", scaler._get_scale_async(), on_step=True, on_epoch=False)
+
+    def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        norm = getattr(trainer.strategy.core, "last_clip_norm", None)
+        if self._clips_by_norm(trainer) and norm is not None:
+            pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False, sync_dist=False)

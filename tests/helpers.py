@@ -88,13 +88,13 @@ def assert_adam_weights_close(actual: torch.Tensor, expected: torch.Tensor, name
     """Weights after several AdamW steps from the same start, parallel against single-process.
 
     AdamW moves an entry by lr x m / (sqrt(v) + eps): where a gradient is at eps's scale (1e-8), a 1e-9
-    difference in summation order becomes a ~1e-5 difference of that one entry. So: every entry within
-    1e-4 (a thirtieth of one step at lr 3e-3), and all but 1 in 1,000 entries within 1e-6. A lost,
-    stale or misplaced optimizer state, or a wrong gradient, moves most entries by ~lr and fails both."""
+    difference in summation order becomes a difference of ~1e-5 in that entry (measured: up to 1.3e-5 on
+    a few dozen of 8,192 entries after 8 steps at (2, 2, 2), while every loss agrees to 1e-5). So: every
+    entry within 1e-4 (a thirtieth of one step at lr 3e-3) and the mean |difference| within 1e-7. A lost,
+    stale or misplaced optimizer state, or a wrong gradient, moves most entries by ~lr: a mean of ~1e-3."""
     difference = (actual - expected).abs()
-    assert difference.max().item() <= 1e-4, (name, difference.max().item())
-    outliers = (difference > 1e-6).sum().item()
-    assert outliers <= max(1, expected.numel() // 1_000), (name, outliers, expected.numel())
+    assert difference.max().item() <= 1e-4, (name, "max", difference.max().item())
+    assert difference.mean().item() <= 1e-7, (name, "mean", difference.mean().item())
 
 
 def world_size() -> int:
