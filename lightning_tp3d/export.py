@@ -42,12 +42,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_tp3d.checkpoint import CheckpointError, ModelTensorReader
 from lightning_tp3d.config import ModelConfig
 from lightning_tp3d.folders import check_output_folder, replace_folder, staging_folder
 from lightning_tp3d.ledger import deploy_problem
+from lightning_tp3d.parallel.materialize import local_region
 from lightning_tp3d.units import parse_size
 
 __all__ = [
@@ -408,11 +408,8 @@ def load_hf_weights(network: nn.Module, hf_folder: str | Path) -> int:
                     f" {list(target.shape)}."
                 )
             if isinstance(target, DTensor):
-                local_shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
-                                                                            target.placements)
-                local = target.to_local()
-                selection = tuple(slice(start, start + size) for start, size in zip(offset, local_shape))
-                local.copy_(view[selection] if local.numel() else local)
+                local, region = local_region(target)
+                local.copy_(view[region] if local.numel() else local)
             else:
                 target.copy_(view[:])
             loaded += 1

@@ -85,7 +85,37 @@ def run_import_world(directory: str) -> dict[str, Any]:
     logger = MemoryLogger()
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy(), max_steps=1, logger=logger))
     trainer.fit(CausalLMModule(config, learning_rate=LEARNING_RATE), data)
-    return {"first_loss": logger.values("train_loss")[0]}
+    return {"first_loss": logger.values("train_loss")[0], "fabric_loss": _fabric_pretrained_loss(directory, config)}
+
+
+def _fabric_pretrained_loss(directory: Path, config: ModelConfig) -> float:
+    """Fabric at (2, 2, 1): the network built under `fabric.init_module()` (meta device) and filled from
+    `pretrained=` at setup; its loss on the first training batch."""
+    from lightning_tp3d import TP3DFabricStrategy
+    from lightning_tp3d.models import LlamaForCausalLM
+
+    strategy = TP3DFabricStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2,
+                                  pretrained=directory / "source")
+    fabric = L.Fabric(accelerator="cpu", devices=world_size(), strategy=strategy)
+    fabric.launch()
+    with fabric.init_module():
+        network = LlamaForCausalLM(config)
+    assert all(parameter.is_meta for parameter in network.parameters())
+    model = fabric.setup(network)
+    model.eval()
+    input_ids, labels = _first_training_batch()
+    with torch.no_grad():
+        return model(input_ids, labels=labels).item()
+
+
+def _first_training_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    from tests.helpers import _training_sample_order
+
+    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
+    data.setup()
+    order = _training_sample_order(len(data.train_dataset))[:GLOBAL_BATCH]
+    batch = [data.train_dataset[int(index)] for index in order]
+    return torch.stack([sample["input_ids"] for sample in batch]), torch.stack([sample["labels"] for sample in batch])
 
 
 # ---------------------------------------------------------------------- fixtures
@@ -240,21 +270,15 @@ def test_check_names_the_first_corrupted_layer(exported, tmp_path, capsys):
 def test_import_then_train_matches_the_source_model(imported):
     from transformers import AutoModelForCausalLM
 
-    from tests.helpers import _training_sample_order
-
     results, directory = imported
     source = AutoModelForCausalLM.from_pretrained(directory / "source")
-    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
-    data.setup()
-    order = _training_sample_order(len(data.train_dataset))[:GLOBAL_BATCH]
-    batch = [data.train_dataset[int(index)] for index in order]
-    input_ids = torch.stack([sample["input_ids"] for sample in batch])
-    labels = torch.stack([sample["labels"] for sample in batch])
+    input_ids, labels = _first_training_batch()
     with torch.no_grad():
         logits = source(input_ids).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
     for rank in results:
         assert abs(rank["first_loss"] - expected) <= TOLERANCE
+        assert abs(rank["fabric_loss"] - expected) <= TOLERANCE  # Fabric: meta init, then pretrained= fills it
 
 
 def test_import_then_export_gives_back_the_input(imported, tmp_path):
