@@ -12,7 +12,8 @@ Two torch facts (2.13) shape this module:
   usually never reaches Python: the watchdog aborts the process. `enable_collective_recording` therefore
   also asks the watchdog to dump every rank's recorder on a timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT`, files
   `TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>`, default `/tmp/tp3d_nccl_trace_rank_<rank>`), which
-  `python -m torch.distributed.flight_recorder.fr_trace` turns into the name of the stuck collective.
+  `python -m torch.distributed.flight_recorder.fr_trace /tmp -p tp3d_nccl_trace_rank_ -j` turns into the
+  name of the stuck collective.
 """
 
 from __future__ import annotations

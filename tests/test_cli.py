@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lightning_tp3d.cli import main
 
 
@@ -51,3 +53,11 @@ def test_plan_serve_prints_the_plan_and_the_vllm_commands(capsys):
     assert main(["plan", "deepseek-llm-7b", "--serve", "--deploy-tp", "3"]) == 2
     assert capsys.readouterr().err.strip() == ("tp3d plan: error: deploy tensor_parallel_size=3 is not valid for this"
                                                " model: 3 does not divide num_attention_heads=32.")
+
+
+def test_doctor_buffers_follow_the_backend_not_the_machine():
+    from lightning_tp3d.cli import doctor_device_type
+
+    assert doctor_device_type("gloo") == "cpu" and doctor_device_type("nccl") == "cuda"
+    with pytest.raises(ValueError, match="not one of 'nccl', 'gloo'"):
+        doctor_device_type("mpi")

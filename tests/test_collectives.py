@@ -7,6 +7,7 @@ step while rank 0 enters the step's tensor-parallel collectives: rank 0 must fai
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -64,3 +65,16 @@ def test_stuck_collective_fails_in_time_and_names_the_group(stalled):
 def test_other_errors_are_not_renamed():
     assert describe_failed_collective(ValueError("a bad shape"), None, None) is None
     assert issubclass(CollectiveTimeoutError, RuntimeError)
+
+
+def test_recording_turns_on_both_flight_recorders_and_the_nccl_timeout_dump_without_overriding(monkeypatch):
+    from lightning_tp3d.collectives import enable_collective_recording
+
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                 "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's choice stays
+    enable_collective_recording()
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000" and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/tmp/tp3d_nccl_trace_rank_"

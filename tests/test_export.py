@@ -351,3 +351,16 @@ def test_large_export_is_sharded_streamed_and_loads(tmp_path):
     prompt = fixed_prompts(LARGE.vocab_size, (9,))[0]
     with torch.no_grad():
         assert (served(prompt).logits - reference(prompt)).abs().max().item() <= TOLERANCE
+
+
+def test_fp32_consistency_tolerance_allows_cross_device_rounding_only_off_the_cpu():
+    from lightning_tp3d.consistency import default_tolerance, exact_fp32_matmuls
+
+    assert default_tolerance("fp32") == 1e-5 and default_tolerance("fp32", "cuda") == 1e-4
+    assert default_tolerance("bf16", "cuda") == 1e-2
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    with exact_fp32_matmuls():
+        assert not torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = before

@@ -245,3 +245,14 @@ def test_sixteen_true_is_refused_with_the_alternatives():
     for message in messages:
         assert "precision='16-true' (fp16 weights, no loss scaling) is not supported" in message
         assert "TP3DPrecision('16-mixed')" in message
+
+
+def test_the_loss_scale_is_read_as_a_tensor_without_a_host_synchronisation():
+    from lightning_tp3d.precision import ModelParallelGradScaler, current_loss_scale
+
+    assert current_loss_scale(None) == 1.0
+    scaler = ModelParallelGradScaler(device="cpu", init_scale=1024.0)
+    assert current_loss_scale(scaler) == 1024.0  # before the first step: the initial scale
+    scaler.scale(torch.ones(()))
+    scale = current_loss_scale(scaler)
+    assert isinstance(scale, torch.Tensor) and scale.item() == 1024.0
