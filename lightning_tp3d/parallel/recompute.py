@@ -4,8 +4,8 @@ Granularity (Megatron's names):
 
 * `full`: a block keeps only its input; the whole block runs again during backward.
 * `selective`: only a part of each block is recomputed, by default the attention core
-  (`self_attn.core_attention`: grouped kv heads expanded, softmax(q k^T) v); its output and the
-  expanded k, v are not kept.
+  (`self_attn.core_attention`: softmax(q k^T) v over grouped kv heads); its output and the attention
+  kernel's saved intermediates are not kept.
 
 Which blocks (`method`, `num_layers` = N):
 
