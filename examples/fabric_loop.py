@@ -32,7 +32,7 @@ def main() -> None:
     strategy = TP3DFabricStrategy(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, num_microbatches=2)
     fabric = L.Fabric(accelerator=args.accelerator, devices=args.tp * args.pp * args.dp, strategy=strategy)
     fabric.launch()
-    with fabric.init_module():  # on the meta device: `setup` materialises each rank's shard only
+    with fabric.init_module(empty_init=True):  # meta device: `setup` materialises each rank's shard only
         network = LlamaForCausalLM(MODEL_PRESETS["tiny"], init_seed=0)
     model = fabric.setup(network)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95)))

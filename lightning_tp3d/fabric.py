@@ -130,12 +130,6 @@ class TP3DFabricStrategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return self.core.sampler_kwargs(self.global_rank)
 
-    @override
-    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """`fabric.init_module()` builds on the meta device unless `empty_init=False`: `setup` materialises
-        only this rank's shard after parallelising, then loads `pretrained=` weights into it."""
-        return super().module_init_context(empty_init=empty_init is not False)
-
     def _parallelize(self, module: nn.Module, _: Any) -> nn.Module:
         check_supported_precision(self.precision.precision)
         if self.core.parallelize(module, model_config(module), self._loss_scale, self.root_device):

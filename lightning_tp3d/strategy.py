@@ -19,8 +19,7 @@ from __future__ import annotations
 import os
 import types
 import warnings
-from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -155,6 +154,10 @@ class TP3DStrategy(ModelParallelStrategy):
     def preflight_report(self) -> DoctorReport | None:
         return self.core.preflight_report
 
+    # A network built on the meta device (in `configure_model`) is materialised as this rank's shard in
+    # `setup` and initialised by its `init_weights()` (see `parallel.materialize`); modules may rely on it.
+    materializes_meta_networks = True
+
     @override
     def _configure_launcher(self) -> None:
         # Called by the Trainer once devices and nodes are known, before any process is launched.
@@ -221,14 +224,6 @@ class TP3DStrategy(ModelParallelStrategy):
                                           extract_batch_size(batch) * self.layout.data_parallel_size)
 
     # ------------------------------------------------------------------ model
-    @contextmanager
-    @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """`configure_model` builds on the meta device unless `empty_init=False`: `setup` materialises only
-        this rank's shard (its stages, tp slice and FSDP rows) after parallelising."""
-        with super().tensor_init_context(empty_init=empty_init is not False):
-            yield
-
     @property
     def network(self) -> nn.Module:
         """The LightningModule's network (`model_attribute`), sharded once the strategy is set up."""

@@ -89,7 +89,7 @@ def run_import_world(directory: str) -> dict[str, Any]:
 
 
 def _fabric_pretrained_loss(directory: Path, config: ModelConfig) -> float:
-    """Fabric at (2, 2, 1): the network built under `fabric.init_module()` (meta device) and filled from
+    """Fabric at (2, 2, 1): the network built under `fabric.init_module(empty_init=True)` (meta device) and filled from
     `pretrained=` at setup; its loss on the first training batch."""
     from lightning_tp3d import TP3DFabricStrategy
     from lightning_tp3d.models import LlamaForCausalLM
@@ -98,7 +98,7 @@ def _fabric_pretrained_loss(directory: Path, config: ModelConfig) -> float:
                                   pretrained=directory / "source")
     fabric = L.Fabric(accelerator="cpu", devices=world_size(), strategy=strategy)
     fabric.launch()
-    with fabric.init_module():
+    with fabric.init_module(empty_init=True):
         network = LlamaForCausalLM(config)
     assert all(parameter.is_meta for parameter in network.parameters())
     model = fabric.setup(network)

@@ -12,6 +12,7 @@ The contract with `TP3DStrategy` (what makes one module run unchanged at every (
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning as L
@@ -52,8 +53,12 @@ class CausalLMModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        # Under TP3DStrategy this runs on the meta device; the strategy materialises only this rank's shard.
-        self.model = LlamaForCausalLM(self.config, init_seed=self.hparams.init_seed)
+        # Under TP3DStrategy the network is declared on the meta device and the strategy materialises only
+        # this rank's shard (same values at every layout: `LlamaForCausalLM.init_weights`).
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        sharded = getattr(strategy, "materializes_meta_networks", False)
+        with torch.device("meta") if sharded else contextlib.nullcontext():
+            self.model = LlamaForCausalLM(self.config, init_seed=self.hparams.init_seed)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
