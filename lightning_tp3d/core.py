@@ -219,8 +219,9 @@ class ParallelCore:
         """Pipeline split, then tensor parallel (DTensor weights over tp), then activation recompute, then
         FSDP2 over dp, which must wrap parameters that are already DTensors (and whose units must contain
         the recomputed code, so the recompute runs on unsharded parameters); a network built on the meta
-        device is then materialised on `device` as this rank's shard only (`materialize_network`). `loss_scale()` is what the
-        pipeline schedule multiplies the loss by before its backward (fp16 scale / accumulation).
+        device is then materialised on `device` as this rank's shard only (`materialize_network`).
+        `loss_scale()` is what the pipeline schedule multiplies the loss by before its backward (fp16 scale /
+        accumulation).
 
         Runs once per network (returns False when `network` is already parallel).
         """
