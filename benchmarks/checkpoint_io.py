@@ -35,13 +35,13 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import save_file
 
-from common import MACHINE, benchmark_trainer
-
 from lightning_tp3d import ModelConfig, TP3DStrategy
 from lightning_tp3d.checkpoint import load_model_tensors
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.export import export_checkpoint
 from lightning_tp3d.models import CausalLMModule
+
+from common import MACHINE, benchmark_trainer
 
 CONFIG = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=512)
@@ -125,7 +125,8 @@ def _export_rounds(checkpoint: Path, folder: Path, rounds: int) -> dict[str, Any
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--num-layers", type=int, default=CONFIG.num_hidden_layers, help="decoder layers (a smaller run)")
+    parser.add_argument("--num-layers", type=int, default=CONFIG.num_hidden_layers,
+                        help="decoder layers (a smaller run)")
     parser.add_argument("--folder", type=Path, default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--output", default="benchmarks/checkpoint_io_cpu.json")
     args = parser.parse_args()

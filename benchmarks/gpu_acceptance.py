@@ -44,17 +44,17 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from common import StepRecorder, benchmark_trainer
-
 from lightning_tp3d import ModelConfig, TP3DStrategy
-from lightning_tp3d.consistency import exact_fp32_matmuls
 from lightning_tp3d.config import resolve_model_config
+from lightning_tp3d.consistency import exact_fp32_matmuls
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.layout import ParallelLayout
 from lightning_tp3d.ledger import TrainingOptions, training_flops_per_token, training_ledger
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.precision import TP3DPrecision
 from lightning_tp3d.timing import DeviceInterval
+
+from common import StepRecorder, benchmark_trainer
 
 ONE_BILLION = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                           num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)

@@ -22,13 +22,13 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from common import CONFIG, MACHINE, benchmark_trainer
-
 from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.ledger import TrainingOptions, training_ledger
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.monitor import local_storage_bytes
+
+from common import CONFIG, MACHINE, benchmark_trainer
 
 # (tp, pp, dp, data-parallel mode)
 LAYOUTS = [(1, 1, 1, "replicate"), (2, 1, 1, "replicate"), (1, 2, 1, "replicate"), (1, 1, 2, "fsdp"),
@@ -101,7 +101,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", type=_layout, default=LAYOUTS,
                         help="tp,pp,dp,mode of each layout to measure (default: nine layouts up to 2x2x2)")
-    parser.add_argument("--layout", type=_layout, help="tp,pp,dp,mode: measure one layout (the parent runs each this way)")
+    parser.add_argument("--layout", type=_layout,
+                        help="tp,pp,dp,mode: measure one layout (the parent runs each this way)")
     parser.add_argument("--result", type=Path, help="where a --layout run writes its measurements")
     parser.add_argument("--output", default="benchmarks/memory_cpu.json")
     args = parser.parse_args()

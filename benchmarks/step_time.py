@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-from common import CONFIG, StepRecorder, benchmark_trainer
-
 from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.parallel.tensor import apply_tensor_parallel, llama_tp_plan
+
+from common import CONFIG, StepRecorder, benchmark_trainer
 
 
 def _tensor_parallel(module: CausalLMModule, mesh: Any) -> CausalLMModule:

@@ -1,5 +1,7 @@
 """lightning_tp3d: tensor x pipeline x data parallel training for Lightning, from layout to serving."""
 
+from importlib.metadata import version
+
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -21,7 +23,7 @@ __all__ = [
     "resolve_model_config",
 ]
 
-__version__ = "0.1.0"
+__version__ = version("lightning-tp3d")  # pyproject.toml is the one place the version is written
 
 if TP3DStrategy.strategy_name not in StrategyRegistry:
     TP3DStrategy.register_strategies(StrategyRegistry)

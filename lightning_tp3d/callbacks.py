@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_tp3d.checkpoint import read_meta
 from lightning_tp3d.consistency import (
     DEFAULT_PROMPT_LENGTHS,
     TOLERANCES,
@@ -34,7 +35,6 @@ from lightning_tp3d.consistency import (
     model_from_hf_folder,
     run_with_layer_outputs,
 )
-from lightning_tp3d.checkpoint import read_meta
 from lightning_tp3d.export import DEPLOY_SHARDS, HF_EXPORT, ExportResult, deploy_folder, export_checkpoint
 from lightning_tp3d.folders import check_output_folder
 

@@ -39,6 +39,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
+from importlib.metadata import version
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -87,11 +88,7 @@ class CheckpointError(RuntimeError):
 
 
 def _library_versions() -> dict[str, str]:
-    import lightning
-
-    from lightning_tp3d import __version__
-
-    return {"lightning_tp3d": __version__, "torch": torch.__version__, "lightning": lightning.__version__}
+    return {"lightning_tp3d": version("lightning-tp3d"), "torch": version("torch"), "lightning": version("lightning")}
 
 
 @dataclass

@@ -47,8 +47,12 @@ from lightning_tp3d.parallel.pipeline import (
     prune_to_stages,
     stages_per_rank_of,
 )
-from lightning_tp3d.parallel.recompute import apply_recompute, check_recompute_options, recomputed_layers
-from lightning_tp3d.random_state import restore_rng_state
+from lightning_tp3d.parallel.recompute import (
+    DEFAULT_SELECTIVE_TARGET,
+    apply_recompute,
+    check_recompute_options,
+    recomputed_layers,
+)
 from lightning_tp3d.parallel.tensor import (
     apply_tensor_parallel,
     check_plan_matches,
@@ -56,6 +60,7 @@ from lightning_tp3d.parallel.tensor import (
     resolve_tp_plan,
     shard_gradients_like_parameters,
 )
+from lightning_tp3d.random_state import restore_rng_state
 
 __all__ = ["FLAT_OPTIMIZER_STATE", "ParallelCore", "model_config", "resolve_attribute"]
 
@@ -113,7 +118,7 @@ class ParallelCore:
         recompute: str = "none",
         recompute_method: str = "uniform",
         recompute_num_layers: int = 1,
-        recompute_target: str = "self_attn.core_attention",
+        recompute_target: str = DEFAULT_SELECTIVE_TARGET,
         pretrained: str | Path | None = None,
         preflight: bool = False,
     ) -> None:

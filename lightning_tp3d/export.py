@@ -344,7 +344,8 @@ def write_deploy_shards(hf_folder: str | Path, tensor_parallel_size: int, output
             shapes = [(name, _rank_piece_shape(hf, name, tensor_parallel_size, config, kv_replicated))
                       for name in names]
             _write_safetensors(folder, shapes, _SAFETENSORS_TORCH_DTYPES[dtype],
-                               lambda name: _rank_piece(hf, name, rank, tensor_parallel_size, config, kv_replicated),
+                               lambda name, rank=rank: _rank_piece(hf, name, rank, tensor_parallel_size, config,
+                                                                   kv_replicated),
                                parse_size(max_shard_size),
                                {"tensor_parallel_size": str(tensor_parallel_size), "rank": str(rank)})
             shutil.copy(hf_folder / "config.json", folder / "config.json")

@@ -125,7 +125,8 @@ def check_output_folder(path: Path, kind: str, overwrite: bool = False) -> None:
         return
     if overwrite and path.is_dir():
         return
-    found = "a file" if not path.is_dir() else f"a folder holding {', '.join(sorted(p.name for p in path.iterdir())[:3])}"
+    held = ", ".join(sorted(entry.name for entry in path.iterdir())[:3]) if path.is_dir() else ""
+    found = f"a folder holding {held}" if path.is_dir() else "a file"
     hint = "" if not path.is_dir() else " or pass overwrite=True (`--overwrite`) to replace it and everything in it"
     raise FileExistsError(
         f"{path} is {found}, not an earlier {kind} of lightning_tp3d; nothing was written. Choose a new or empty"

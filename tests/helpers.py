@@ -75,8 +75,10 @@ class CaptureGradients(Callback):
         if self.first_grads is None:
             self.first_grads = named_full(pl_module, "grad", self.prefix)
             parameters = dict(pl_module.named_parameters())
-            self.misplaced_gradients = [name for name, parameter in parameters.items()
-                                        if getattr(parameter, "placements", None) != getattr(parameter.grad, "placements", None)]
+            self.misplaced_gradients = [
+                name for name, parameter in parameters.items()
+                if getattr(parameter, "placements", None) != getattr(parameter.grad, "placements", None)
+            ]
             self.parameter_bytes = local_storage_bytes(parameters.values())
             self.gradient_bytes = local_storage_bytes(parameter.grad for parameter in parameters.values())
 

@@ -44,6 +44,8 @@ from tests.helpers import (
     world_size,
 )
 
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
 TOLERANCE = 1e-5
 GLOBAL_BATCH = 8
 STEPS = 8

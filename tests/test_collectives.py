@@ -23,6 +23,8 @@ from lightning_tp3d.models import CausalLMModule
 from tests.distributed import run_distributed
 from tests.helpers import SEQ_LEN, trainer_kwargs, world_size
 
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
 TIMEOUT_SECONDS = 3
 STALL_SECONDS = 12
 

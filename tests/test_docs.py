@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
 REPOSITORY = Path(__file__).resolve().parent.parent
 PAGES = sorted((REPOSITORY / "docs").glob("*.md"))
 _BLOCK = re.compile(r"^```(python|bash)\n(.*?)^```", re.MULTILINE | re.DOTALL)

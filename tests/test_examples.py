@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 

@@ -39,6 +39,8 @@ from lightning_tp3d.models import CausalLMModule
 from tests.distributed import run_distributed
 from tests.helpers import LEARNING_RATE, SEQ_LEN, MemoryLogger, trainer_kwargs, world_size
 
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
 TOLERANCE = 1e-5
 GLOBAL_BATCH = 8
 

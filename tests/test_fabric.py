@@ -27,6 +27,8 @@ from tests.helpers import (
     trainer_kwargs,
 )
 
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
 STEPS = 10
 SAVED_AT = 5
 GLOBAL_BATCH = 8

@@ -14,6 +14,8 @@ import pytest
 
 from tests.helpers import LEARNING_RATE, SEQ_LEN, reference_run
 
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
 REPOSITORY = Path(__file__).resolve().parent.parent
 EXAMPLES = REPOSITORY / "examples"
 STEPS = 3

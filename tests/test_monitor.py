@@ -18,6 +18,8 @@ from lightning_tp3d.monitor import TP3DThroughputMonitor
 from tests.distributed import run_distributed
 from tests.helpers import LEARNING_RATE, SEQ_LEN, MemoryLogger, reference_run, trainer_kwargs, world_size
 
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
 PER_RANK_BATCH = 4
 PEAK_FLOPS = 1e12
 STEPS = 6

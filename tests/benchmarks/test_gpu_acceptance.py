@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
 REPOSITORY = Path(__file__).resolve().parents[2]
 SMOKE = ["--accelerator", "cpu", "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--warmup", "1",
          "--steps", "2", "--parity-steps", "2"]

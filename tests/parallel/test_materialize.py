@@ -13,6 +13,8 @@ from lightning_tp3d.models.llama import LlamaForCausalLM
 from lightning_tp3d.parallel.materialize import ROWS_PER_BLOCK, materialize_network, seeded_normal_
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
 # ~271M parameters: big enough that the whole fp32 network (1.1 GB) dwarfs a rank's shard at (2, 2, 2).
 LARGE = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
                     num_attention_heads=16, num_key_value_heads=16)

@@ -22,8 +22,18 @@ from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.parallel.pipeline import PIPELINE_SCHEDULES
 from tests.distributed import run_distributed
-from tests.helpers import (LEARNING_RATE, SEQ_LEN, CaptureGradients, MemoryLogger, reference_run,
-                           reference_validation_loss, trainer_kwargs, world_size)
+from tests.helpers import (
+    LEARNING_RATE,
+    SEQ_LEN,
+    CaptureGradients,
+    MemoryLogger,
+    reference_run,
+    reference_validation_loss,
+    trainer_kwargs,
+    world_size,
+)
+
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
 
 RTOL, ATOL = 1e-5, 1e-7
 STEPS = 5
@@ -153,10 +163,11 @@ def test_losses_and_every_rank_gradients_match_single_process(world_results, nam
     expected_losses = torch.tensor(reference["losses" if accumulate == 1 else "last_batch_losses"])
     for rank, rank_result in enumerate(world_results[name]):
         torch.testing.assert_close(torch.tensor(rank_result["losses"]), expected_losses, rtol=RTOL, atol=0.0,
-                                   msg=lambda message: f"{name} rank {rank} losses: {message}")
+                                   msg=lambda message, rank=rank: f"{name} rank {rank} losses: {message}")
         for key, gradient in rank_result["first_grads"].items():
             torch.testing.assert_close(gradient, reference["first_grads"][key], rtol=RTOL, atol=ATOL,
-                                       msg=lambda message: f"{name} rank {rank} gradient {key}: {message}")
+                                       msg=lambda message, rank=rank, key=key: f"{name} rank {rank} gradient {key}:"
+                                                                               f" {message}")
         covered.update(rank_result["first_grads"])
         (val_loss,) = rank_result["val_loss"]
         assert val_loss == pytest.approx(reference["val_loss"], rel=RTOL, abs=0.0), f"{name} rank {rank} val_loss"

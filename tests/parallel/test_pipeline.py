@@ -25,6 +25,8 @@ from tests.helpers import (
     world_size,
 )
 
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
 TOLERANCE = 1e-5
 STEPS = 10
 GLOBAL_BATCH = 8

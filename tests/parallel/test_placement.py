@@ -10,9 +10,12 @@ crash under NCCL.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
 
 FAKE_RANKS = (0, 4)  # the first rank of pipeline stage 0 and of stage 1 at (tp, pp, dp) = (2, 2, 2)
 

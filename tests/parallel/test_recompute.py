@@ -20,11 +20,13 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from lightning_tp3d import MODEL_PRESETS, ParallelLayout, TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.ledger import TrainingOptions, training_ledger
-from lightning_tp3d.models.llama import LlamaForCausalLM
 from lightning_tp3d.models import CausalLMModule
+from lightning_tp3d.models.llama import LlamaForCausalLM
 from lightning_tp3d.parallel.recompute import apply_recompute, recomputed_layers
 from tests.distributed import run_distributed
 from tests.helpers import LEARNING_RATE, SEQ_LEN, CaptureGradients, MemoryLogger, trainer_kwargs, world_size
+
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
 
 TOLERANCE = 1e-6
 GLOBAL_BATCH = 8
