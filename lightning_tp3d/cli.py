@@ -188,7 +188,7 @@ def _run_check(args: argparse.Namespace) -> int:
     export = Path(args.export)
     config = json.loads((export / "config.json").read_text())
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(config.get("torch_dtype", "float32"), "fp32")
-    tolerance = args.tolerance if args.tolerance is not None else consistency.TOLERANCES[dtype]
+    tolerance = args.tolerance if args.tolerance is not None else consistency.default_tolerance(dtype)
     candidate = consistency.model_from_hf_folder(export, use_transformers=not args.no_transformers)
     if args.checkpoint is not None:
         reference = consistency.model_from_checkpoint(args.checkpoint)

@@ -31,6 +31,7 @@ __all__ = [
     "has_meta_tensors",
     "local_region",
     "materialize_network",
+    "retie",
     "seeded_normal_",
     "tied_parameter_groups",
 ]
@@ -86,7 +87,9 @@ def tied_parameter_groups(module: nn.Module) -> list[list[tuple[nn.Module, str]]
     return [group for group in owners.values() if len(group) > 1]
 
 
-def _retie(groups: Sequence[Sequence[tuple[nn.Module, str]]]) -> None:
+def retie(groups: Sequence[Sequence[tuple[nn.Module, str]]]) -> None:
+    """Make every (module, attribute) of each group hold its first member's parameter again (module
+    transformations such as `to_empty` or a tp plan give each registration a parameter of its own)."""
     for (first_module, first_name), *others in groups:
         shared = getattr(first_module, first_name)
         for module, name in others:
@@ -102,7 +105,7 @@ def materialize_network(network: nn.Module, device: torch.device) -> bool:
         return False
     tied = tied_parameter_groups(network)
     network.to_empty(device=device)
-    _retie(tied)
+    retie(tied)
     init_weights = getattr(network, "init_weights", None)
     if callable(init_weights):
         init_weights()

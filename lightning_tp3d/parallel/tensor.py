@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from lightning_tp3d.parallel.materialize import tied_parameter_groups
+from lightning_tp3d.parallel.materialize import retie, tied_parameter_groups
 
 __all__ = [
     "TensorParallelPlan",
@@ -100,18 +100,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     """Shard `model` in place over `tp_mesh` following `plan`; tied parameters stay tied."""
     tied_groups = tied_parameter_groups(model)
     parallelize_module(model, tp_mesh, dict(plan))
-    for group in tied_groups:
-        (first_module, first_name), *others = group
+    for (first_module, first_name), *others in tied_groups:
         shared = getattr(first_module, first_name)
         for module, name in others:
-            current = getattr(module, name)
-            if getattr(current, "placements", None) != getattr(shared, "placements", None):
+            if getattr(getattr(module, name), "placements", None) != getattr(shared, "placements", None):
                 raise ValueError(
                     f"tied parameters {type(first_module).__name__}.{first_name} and {type(module).__name__}.{name}"
                     " are sharded differently by the tp_plan; give them the same placement (e.g. vocab-parallel"
                     " embedding with a column-parallel head) or untie them."
                 )
-            setattr(module, name, shared)
+    retie(tied_groups)
     return model
 
 
