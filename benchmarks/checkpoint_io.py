@@ -36,9 +36,9 @@ from lightning.pytorch.callbacks import Callback
 from safetensors.torch import save_file
 
 from lightning_tp3d import ModelConfig, TP3DStrategy
-from lightning_tp3d.checkpoint import load_model_tensors
 from lightning_tp3d.data import TokenDataModule
-from lightning_tp3d.export import export_checkpoint
+from lightning_tp3d.io.checkpoint import load_model_tensors
+from lightning_tp3d.io.export import export_checkpoint
 from lightning_tp3d.models import CausalLMModule
 
 from common import MACHINE, benchmark_trainer

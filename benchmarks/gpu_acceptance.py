@@ -45,14 +45,14 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_tp3d import ModelConfig, TP3DStrategy
-from lightning_tp3d.config import resolve_model_config
-from lightning_tp3d.consistency import exact_fp32_matmuls
 from lightning_tp3d.data import TokenDataModule
-from lightning_tp3d.layout import ParallelLayout
-from lightning_tp3d.ledger import TrainingOptions, training_flops_per_token, training_ledger
+from lightning_tp3d.diagnostics.consistency import exact_fp32_matmuls
 from lightning_tp3d.models import CausalLMModule
-from lightning_tp3d.precision import TP3DPrecision
-from lightning_tp3d.timing import DeviceInterval
+from lightning_tp3d.parallel.timing import DeviceInterval
+from lightning_tp3d.plan.config import resolve_model_config
+from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.plan.ledger import TrainingOptions, training_flops_per_token, training_ledger
+from lightning_tp3d.strategies.precision import TP3DPrecision
 
 from common import StepRecorder, benchmark_trainer
 
@@ -202,8 +202,8 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
     else:
         result["passed"] = result["device_interval_seconds"] >= host_seconds
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        from lightning_tp3d.doctor import run_doctor
-        from lightning_tp3d.mesh import build_device_mesh
+        from lightning_tp3d.diagnostics.doctor import run_doctor
+        from lightning_tp3d.parallel.mesh import build_device_mesh
 
         layout = ParallelLayout.resolve(world_size=torch.distributed.get_world_size(),
                                         tensor_parallel_size=args.layout[0], pipeline_parallel_size=args.layout[1])

@@ -5,11 +5,10 @@ from importlib.metadata import version
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_tp3d.config import MODEL_PRESETS, ModelConfig, resolve_model_config
-from lightning_tp3d.fabric import TP3DFabricStrategy
-from lightning_tp3d.layout import LayoutError, ParallelLayout, RankCoordinates
-from lightning_tp3d.precision import TP3DPrecision
-from lightning_tp3d.strategy import TP3DStrategy
+from lightning_tp3d._moved import install_moved_module_finder
+from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
+from lightning_tp3d.plan.layout import LayoutError, ParallelLayout, RankCoordinates
+from lightning_tp3d.strategies import TP3DFabricStrategy, TP3DPrecision, TP3DStrategy
 
 __all__ = [
     "LayoutError",
@@ -22,6 +21,10 @@ __all__ = [
     "TP3DStrategy",
     "resolve_model_config",
 ]
+
+install_moved_module_finder()
+
+install_moved_module_finder()
 
 __version__ = version("lightning-tp3d")  # pyproject.toml is the one place the version is written
 

@@ -27,11 +27,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from lightning_tp3d.checkpoint import CheckpointError
-from lightning_tp3d.config import MODEL_PRESETS, ModelConfig, resolve_model_config
-from lightning_tp3d.layout import LayoutError, ParallelLayout
-from lightning_tp3d.ledger import PRECISIONS, TrainingOptions, serving_ledger, serving_plan, training_ledger
-from lightning_tp3d.units import parse_size
+from lightning_tp3d.io.checkpoint import CheckpointError
+from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
+from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
+from lightning_tp3d.plan.ledger import PRECISIONS, TrainingOptions, serving_ledger, serving_plan, training_ledger
+from lightning_tp3d.plan.units import parse_size
 
 __all__ = ["main"]
 
@@ -157,7 +157,7 @@ def _export_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from lightning_tp3d.export import export_checkpoint
+    from lightning_tp3d.io.export import export_checkpoint
 
     result = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                deploy_tp=args.deploy_tp, overwrite=args.overwrite)
@@ -183,7 +183,7 @@ def _check_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from lightning_tp3d import consistency
+    from lightning_tp3d.diagnostics import consistency
 
     export = Path(args.export)
     config = json.loads((export / "config.json").read_text())
@@ -228,9 +228,9 @@ def _run_doctor(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from lightning_tp3d.collectives import enable_collective_recording
-    from lightning_tp3d.doctor import run_doctor
-    from lightning_tp3d.mesh import build_device_mesh
+    from lightning_tp3d.diagnostics.doctor import run_doctor
+    from lightning_tp3d.parallel.collectives import enable_collective_recording
+    from lightning_tp3d.parallel.mesh import build_device_mesh
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device_type = doctor_device_type(backend)

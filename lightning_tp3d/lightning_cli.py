@@ -23,7 +23,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lightning_tp3d.strategy import TP3DStrategy
+from lightning_tp3d.strategies.trainer import TP3DStrategy
 
 __all__ = ["TP3DLightningCLI", "run_lightning_cli"]
 

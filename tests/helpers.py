@@ -13,9 +13,9 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_tp3d.callbacks.monitor import local_storage_bytes
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
-from lightning_tp3d.monitor import local_storage_bytes
 
 SEQ_LEN = 16
 LEARNING_RATE = 3e-3

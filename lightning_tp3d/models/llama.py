@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_tp3d.config import ModelConfig
 from lightning_tp3d.parallel.materialize import local_region, seeded_normal_
+from lightning_tp3d.plan.config import ModelConfig
 
 __all__ = ["IGNORE_INDEX", "LlamaForCausalLM", "causal_lm_loss"]
 

@@ -18,8 +18,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_tp3d.config import ModelConfig, resolve_model_config
 from lightning_tp3d.models.llama import LlamaForCausalLM
+from lightning_tp3d.plan.config import ModelConfig, resolve_model_config
 
 __all__ = ["CausalLMModule"]
 

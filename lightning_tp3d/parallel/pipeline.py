@@ -27,7 +27,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from lightning_tp3d.timing import DeviceInterval
+from lightning_tp3d.parallel.timing import DeviceInterval
 
 __all__ = [
     "PIPELINE_SCHEDULES",

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_tp3d.config import MODEL_PRESETS, ModelConfig
 from lightning_tp3d.models.llama import LlamaForCausalLM
 from lightning_tp3d.parallel.materialize import ROWS_PER_BLOCK, materialize_network, seeded_normal_
+from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
@@ -34,7 +34,7 @@ def _peak_bytes() -> int:
 def _setup_growth(config: ModelConfig) -> dict[str, int]:
     """Peak resident growth while this rank builds `config` on the meta device and materialises its
     shard at (tp, pp, dp) = (2, 2, 2) with FSDP2; and the shard's bytes."""
-    from lightning_tp3d.core import ParallelCore
+    from lightning_tp3d.strategies.core import ParallelCore
 
     core = ParallelCore(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_mode="fsdp")
     core.setup_mesh(8, "cpu", None)
@@ -49,7 +49,7 @@ def _setup_growth(config: ModelConfig) -> dict[str, int]:
 def _sharded_world() -> dict[str, object]:
     import torch.distributed as dist
 
-    from lightning_tp3d.core import ParallelCore
+    from lightning_tp3d.strategies.core import ParallelCore
 
     dist.init_process_group("gloo")
     tiny = _setup_growth(MODEL_PRESETS["tiny"])  # the fixed cost of building any network this way

@@ -26,11 +26,11 @@ def _placement_checks() -> dict[str, object]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_tp3d.config import MODEL_PRESETS
-    from lightning_tp3d.core import ParallelCore
-    from lightning_tp3d.mesh import build_device_mesh
     from lightning_tp3d.models.llama import LlamaForCausalLM
     from lightning_tp3d.parallel.grad_norm import global_grad_norm
+    from lightning_tp3d.parallel.mesh import build_device_mesh
+    from lightning_tp3d.plan.config import MODEL_PRESETS
+    from lightning_tp3d.strategies.core import ParallelCore
     from tests.device_guard import DeviceMismatch, collectives_on
 
     dist.init_process_group("fake", store=FakeStore(), rank=FAKE_RANKS[int(os.environ["RANK"])], world_size=8)

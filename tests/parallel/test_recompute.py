@@ -19,10 +19,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from lightning_tp3d import MODEL_PRESETS, ParallelLayout, TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
-from lightning_tp3d.ledger import TrainingOptions, training_ledger
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.models.llama import LlamaForCausalLM
 from lightning_tp3d.parallel.recompute import apply_recompute, recomputed_layers
+from lightning_tp3d.plan.ledger import TrainingOptions, training_ledger
 from tests.distributed import run_distributed
 from tests.helpers import LEARNING_RATE, SEQ_LEN, CaptureGradients, MemoryLogger, trainer_kwargs, world_size
 

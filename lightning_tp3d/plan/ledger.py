@@ -37,9 +37,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from lightning_tp3d.config import ModelConfig
-from lightning_tp3d.layout import LayoutError, ParallelLayout
 from lightning_tp3d.parallel.recompute import check_recompute_options, recomputed_layers
+from lightning_tp3d.plan.config import ModelConfig
+from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 
 __all__ = [
     "PRECISIONS",

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_tp3d.checkpoint import ModelTensorReader
-from lightning_tp3d.config import ModelConfig
-from lightning_tp3d.export import load_hf_weights
+from lightning_tp3d.io.checkpoint import ModelTensorReader
+from lightning_tp3d.io.export import load_hf_weights
 from lightning_tp3d.models.llama import LlamaForCausalLM
+from lightning_tp3d.plan.config import ModelConfig
 
 __all__ = [
     "DEFAULT_PROMPT_LENGTHS",

@@ -30,11 +30,11 @@ from safetensors.torch import load_file, save_file
 
 from lightning_tp3d import MODEL_PRESETS, ModelConfig, ParallelLayout, TP3DStrategy
 from lightning_tp3d.callbacks import ConsistencyCheck, ExportCallback
-from lightning_tp3d.checkpoint import CheckpointMeta, save_checkpoint
 from lightning_tp3d.cli import main as tp3d
-from lightning_tp3d.consistency import fixed_prompts, model_from_checkpoint
 from lightning_tp3d.data import TokenDataModule
-from lightning_tp3d.export import deploy_split_dim, export_checkpoint, hf_tensor_names, write_deploy_shards
+from lightning_tp3d.diagnostics.consistency import fixed_prompts, model_from_checkpoint
+from lightning_tp3d.io.checkpoint import CheckpointMeta, save_checkpoint
+from lightning_tp3d.io.export import deploy_split_dim, export_checkpoint, hf_tensor_names, write_deploy_shards
 from lightning_tp3d.models import CausalLMModule
 from tests.distributed import run_distributed
 from tests.helpers import LEARNING_RATE, SEQ_LEN, MemoryLogger, trainer_kwargs, world_size
@@ -299,7 +299,7 @@ SHARD_BYTES = 24 * 10**6
 _MEASURE = """
 import json, sys, threading, time
 import torch, safetensors, lightning  # the export's imports, loaded before the baseline
-from lightning_tp3d.export import export_checkpoint
+from lightning_tp3d.io.export import export_checkpoint
 
 def rss() -> int:
     with open("/proc/self/statm") as statm:
@@ -356,7 +356,7 @@ def test_large_export_is_sharded_streamed_and_loads(tmp_path):
 
 
 def test_fp32_consistency_tolerance_allows_cross_device_rounding_only_off_the_cpu():
-    from lightning_tp3d.consistency import default_tolerance, exact_fp32_matmuls
+    from lightning_tp3d.diagnostics.consistency import default_tolerance, exact_fp32_matmuls
 
     assert default_tolerance("fp32") == 1e-5 and default_tolerance("fp32", "cuda") == 1e-4
     assert default_tolerance("bf16", "cuda") == 1e-2

@@ -41,15 +41,15 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_tp3d.checkpoint import PendingSave, save_checkpoint
-from lightning_tp3d.collectives import enable_collective_recording, naming_stuck_collectives
-from lightning_tp3d.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config, resolve_attribute
 from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosition
-from lightning_tp3d.doctor import DoctorReport
-from lightning_tp3d.layout import ParallelLayout
+from lightning_tp3d.diagnostics.doctor import DoctorReport
+from lightning_tp3d.io.checkpoint import PendingSave, save_checkpoint
+from lightning_tp3d.parallel.collectives import enable_collective_recording, naming_stuck_collectives
 from lightning_tp3d.parallel.pipeline import StageTiming
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
-from lightning_tp3d.precision import (
+from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.strategies.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config, resolve_attribute
+from lightning_tp3d.strategies.precision import (
     ModelParallelGradScaler,
     TP3DPrecision,
     check_supported_precision,
@@ -97,7 +97,7 @@ class TP3DStrategy(ModelParallelStrategy):
             1 MiB), log the table and warn with fixes; the report is kept in `preflight_report`.
 
     Mixed precision: `Trainer(precision="bf16-mixed" | "bf16-true")`, or for fp16 with a loss scaler that
-    every rank agrees on, `Trainer(plugins=[TP3DPrecision("16-mixed")])` (see `lightning_tp3d.precision`).
+    every rank agrees on, `Trainer(plugins=[TP3DPrecision("16-mixed")])` (see `lightning_tp3d.strategies.precision`).
     """
 
     strategy_name = "tp3d"
@@ -247,7 +247,7 @@ class TP3DStrategy(ModelParallelStrategy):
         if scaler is not None and not isinstance(scaler, ModelParallelGradScaler) and self.world_size > 1:
             raise ValueError(
                 f"The precision plugin's {type(scaler).__name__} checks for inf/nan on each rank alone, so ranks would"
-                " disagree on skipping a step; use plugins=[TP3DPrecision('16-mixed')] from lightning_tp3d.precision."
+                " disagree on skipping a step; use plugins=[TP3DPrecision('16-mixed')] from lightning_tp3d.strategies.precision."
             )
         check_supported_precision(self.precision_plugin.precision)
         self.accelerator.setup(trainer)
@@ -323,7 +323,7 @@ class TP3DStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write a sharded checkpoint folder (see `lightning_tp3d.checkpoint`) atomically at `filepath`."""
+        """Write a sharded checkpoint folder (see `lightning_tp3d.io.checkpoint`) atomically at `filepath`."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes DCP shards itself and takes no storage_options.")
         path = Path(self.broadcast(str(filepath)))

@@ -42,12 +42,12 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_tp3d.checkpoint import save_checkpoint
-from lightning_tp3d.collectives import enable_collective_recording, naming_stuck_collectives
-from lightning_tp3d.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config
-from lightning_tp3d.layout import ParallelLayout
+from lightning_tp3d.io.checkpoint import save_checkpoint
+from lightning_tp3d.parallel.collectives import enable_collective_recording, naming_stuck_collectives
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
-from lightning_tp3d.precision import check_supported_precision, current_loss_scale
+from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.strategies.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config
+from lightning_tp3d.strategies.precision import check_supported_precision, current_loss_scale
 
 __all__ = ["TP3DFabricStrategy"]
 

@@ -27,8 +27,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_tp3d import MODEL_PRESETS, ModelConfig, TP3DStrategy
-from lightning_tp3d.checkpoint import CheckpointError, load_checkpoint, load_model_tensors, read_meta
 from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.io.checkpoint import CheckpointError, load_checkpoint, load_model_tensors, read_meta
 from lightning_tp3d.models import CausalLMModule
 from tests.distributed import run_distributed
 from tests.helpers import (
@@ -130,7 +130,7 @@ def run_reshard_resume_world(directory: str) -> dict[str, Any]:
 
 def crash_during_second_save(directory: str) -> None:
     """One process: save `last.ckpt` after step 1, then die (SIGKILL) in the middle of the step-2 save."""
-    import lightning_tp3d.checkpoint as checkpoint
+    import lightning_tp3d.io.checkpoint as checkpoint
 
     directory = Path(directory)
     rename = checkpoint.replace_folder
@@ -163,7 +163,7 @@ def crash_between_renames(directory: str) -> None:
 
 
 def _die_between_renames() -> None:
-    import lightning_tp3d.folders as folders
+    import lightning_tp3d.io.folders as folders
 
     folders._exchange = lambda first, second: False  # as where renameat2 is unavailable
     rename = Path.rename
@@ -356,7 +356,7 @@ def test_kill_between_the_renames_of_a_replacement_then_resume(tmp_path):
 
 
 def test_replacement_swaps_folders_atomically_where_the_system_can(tmp_path):
-    from lightning_tp3d.folders import replace_folder
+    from lightning_tp3d.io.folders import replace_folder
 
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "meta.json").write_text("old")
@@ -367,7 +367,7 @@ def test_replacement_swaps_folders_atomically_where_the_system_can(tmp_path):
     assert (tmp_path / "name" / "meta.json").read_text() == "new"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["name"]
     if sys.platform.startswith("linux"):  # renameat2(RENAME_EXCHANGE) swaps in one step on Linux
-        import lightning_tp3d.folders as folders
+        import lightning_tp3d.io.folders as folders
 
         (tmp_path / "other").mkdir()
         assert folders._exchange(tmp_path / "other", tmp_path / "name")

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_tp3d.collectives import mesh_group_options
-from lightning_tp3d.layout import LayoutError, ParallelLayout
+from lightning_tp3d.parallel.collectives import mesh_group_options
+from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 
 __all__ = ["build_device_mesh", "mesh_device"]
 

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp3d.layout import ParallelLayout
-from lightning_tp3d.mesh import mesh_device
-from lightning_tp3d.timing import DeviceInterval
+from lightning_tp3d.parallel.mesh import mesh_device
+from lightning_tp3d.parallel.timing import DeviceInterval
+from lightning_tp3d.plan.layout import ParallelLayout
 
 __all__ = ["DEFAULT_SIZES", "DoctorReport", "Measurement", "diagnose", "run_doctor"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_tp3d import LayoutError, ModelConfig, ParallelLayout
-from lightning_tp3d.config import MODEL_PRESETS
-from lightning_tp3d.ledger import TrainingOptions, serving_ledger, serving_plan, training_ledger
+from lightning_tp3d.plan.config import MODEL_PRESETS
+from lightning_tp3d.plan.ledger import TrainingOptions, serving_ledger, serving_plan, training_ledger
 
 H, F, V, L = 4096, 11008, 102400, 30  # deepseek-llm-7b
 LAYER_7B = 4 * H * H + 3 * H * F + 2 * H  # q, k, v, o; gate, up, down; two norms

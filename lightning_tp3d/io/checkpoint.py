@@ -20,7 +20,7 @@ A save writes `<name>.partial` and moves it to `<name>` after every rank has fin
 interrupted save never leaves a half-written folder under the checkpoint's name, and an existing
 checkpoint of that name is replaced without a moment at which neither exists (or, where the system
 cannot swap folders atomically, loading finds the complete one of the two by itself; see
-`lightning_tp3d.folders`). A save can run asynchronously:
+`lightning_tp3d.io.folders`). A save can run asynchronously:
 the tensors are copied to CPU memory and written by a background thread while training goes on.
 
 Example usage::
@@ -50,7 +50,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from lightning_tp3d.folders import (
+from lightning_tp3d.io.folders import (
     PARTIAL_SUFFIX,
     REPLACED_SUFFIX,
     finish_interrupted_replacement,
@@ -58,7 +58,7 @@ from lightning_tp3d.folders import (
     replace_folder,
     staging_folder,
 )
-from lightning_tp3d.random_state import capture_rng_state
+from lightning_tp3d.io.random_state import capture_rng_state
 
 __all__ = [
     "CheckpointError",
@@ -241,7 +241,7 @@ def _is_complete(folder: Path) -> bool:
 
 def checkpoint_folder(path: str | Path) -> Path:
     """The folder holding the checkpoint saved as `path`: `path`, or the complete folder of a replacement of
-    it that was interrupted between its two renames (see `lightning_tp3d.folders`)."""
+    it that was interrupted between its two renames (see `lightning_tp3d.io.folders`)."""
     return recovered_path(Path(path), _is_complete)
 
 

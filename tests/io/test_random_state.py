@@ -6,7 +6,7 @@ from unittest import mock
 
 import torch
 
-from lightning_tp3d.random_state import capture_rng_state, restore_rng_state
+from lightning_tp3d.io.random_state import capture_rng_state, restore_rng_state
 
 
 def test_only_the_current_cuda_device_generator_is_saved_and_restored():

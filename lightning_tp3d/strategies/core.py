@@ -29,16 +29,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_tp3d.checkpoint import MODEL_GROUP, CheckpointMeta, load_checkpoint, load_rng_state
 from lightning_tp3d.data.sampler import SamplePosition
-from lightning_tp3d.doctor import DoctorReport, run_doctor
-from lightning_tp3d.export import load_hf_weights
-from lightning_tp3d.layout import LayoutError, ParallelLayout
-from lightning_tp3d.mesh import build_device_mesh, mesh_device
+from lightning_tp3d.diagnostics.doctor import DoctorReport, run_doctor
+from lightning_tp3d.io.checkpoint import MODEL_GROUP, CheckpointMeta, load_checkpoint, load_rng_state
+from lightning_tp3d.io.export import load_hf_weights
+from lightning_tp3d.io.random_state import restore_rng_state
 from lightning_tp3d.models.llama import causal_lm_loss
 from lightning_tp3d.parallel.data import DATA_PARALLEL_MODES, all_reduce_gradients, apply_fsdp
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
 from lightning_tp3d.parallel.materialize import materialize_network
+from lightning_tp3d.parallel.mesh import build_device_mesh, mesh_device
 from lightning_tp3d.parallel.pipeline import (
     PipelinePlan,
     PipelineRunner,
@@ -60,7 +60,7 @@ from lightning_tp3d.parallel.tensor import (
     resolve_tp_plan,
     shard_gradients_like_parameters,
 )
-from lightning_tp3d.random_state import restore_rng_state
+from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 
 __all__ = ["FLAT_OPTIMIZER_STATE", "ParallelCore", "model_config", "resolve_attribute"]
 

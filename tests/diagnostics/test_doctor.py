@@ -15,7 +15,7 @@ import pytest
 from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.cli import main as tp3d
 from lightning_tp3d.data import TokenDataModule
-from lightning_tp3d.doctor import DoctorReport, Measurement, diagnose
+from lightning_tp3d.diagnostics.doctor import DoctorReport, Measurement, diagnose
 from lightning_tp3d.models import CausalLMModule
 from tests.distributed import run_distributed
 from tests.helpers import SEQ_LEN, trainer_kwargs, world_size

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from lightning_tp3d import TP3DPrecision, TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
-from lightning_tp3d.precision import ModelParallelGradScaler
+from lightning_tp3d.strategies.precision import ModelParallelGradScaler
 from tests.distributed import run_distributed
 from tests.helpers import (
     LEARNING_RATE,
@@ -251,7 +251,7 @@ def test_sixteen_true_is_refused_with_the_alternatives():
 
 
 def test_the_loss_scale_is_read_as_a_tensor_without_a_host_synchronisation():
-    from lightning_tp3d.precision import ModelParallelGradScaler, current_loss_scale
+    from lightning_tp3d.strategies.precision import ModelParallelGradScaler, current_loss_scale
 
     assert current_loss_scale(None) == 1.0
     scaler = ModelParallelGradScaler(device="cpu", init_scale=1024.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from lightning_tp3d.parallel.pipeline import StageTiming
-from lightning_tp3d.timing import DeviceInterval
+from lightning_tp3d.parallel.timing import DeviceInterval
 
 
 def test_an_interval_measures_between_start_and_stop_and_is_zero_before_stop():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_tp3d import LayoutError, ModelConfig, ParallelLayout
-from lightning_tp3d.config import MODEL_PRESETS
+from lightning_tp3d.plan.config import MODEL_PRESETS
 
 
 def test_resolve_derives_dp_and_accumulation():

@@ -8,7 +8,7 @@
   writer thread, while the next tensor is read), so memory stays near twice the largest tensor whatever
   the model size (no shard is buffered). Files are fsynced, the folder is written as `<out>.partial`
   and moved under its name when complete, replacing an earlier export in one step; a folder that is
-  not an earlier export of this package is refused unless `overwrite=True` (`lightning_tp3d.folders`).
+  not an earlier export of this package is refused unless `overwrite=True` (`lightning_tp3d.io.folders`).
 * `write_deploy_shards` splits such a folder for an N-way tensor-parallel server with the training
   plan's rules (one ledger from training to serving): column-parallel weights (q, k, v, gate, up and
   the head) along dim 0, row-parallel ones (o, down) along dim 1, the vocab-parallel embedding along dim 0
@@ -43,12 +43,12 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_tp3d.checkpoint import CheckpointError, ModelTensorReader
-from lightning_tp3d.config import ModelConfig
-from lightning_tp3d.folders import check_output_folder, replace_folder, staging_folder
-from lightning_tp3d.ledger import deploy_problem
+from lightning_tp3d.io.checkpoint import CheckpointError, ModelTensorReader
+from lightning_tp3d.io.folders import check_output_folder, replace_folder, staging_folder
 from lightning_tp3d.parallel.materialize import local_region
-from lightning_tp3d.units import parse_size
+from lightning_tp3d.plan.config import ModelConfig
+from lightning_tp3d.plan.ledger import deploy_problem
+from lightning_tp3d.plan.units import parse_size
 
 __all__ = [
     "EXPORT_DTYPES",

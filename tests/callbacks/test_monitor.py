@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from lightning_tp3d import MODEL_PRESETS, TP3DStrategy
+from lightning_tp3d.callbacks.monitor import TP3DThroughputMonitor
 from lightning_tp3d.data import TokenDataModule
-from lightning_tp3d.ledger import training_flops_per_token
 from lightning_tp3d.models import CausalLMModule
-from lightning_tp3d.monitor import TP3DThroughputMonitor
+from lightning_tp3d.plan.ledger import training_flops_per_token
 from tests.distributed import run_distributed
 from tests.helpers import LEARNING_RATE, SEQ_LEN, MemoryLogger, reference_run, trainer_kwargs, world_size
 

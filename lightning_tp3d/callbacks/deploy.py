@@ -23,8 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_tp3d.checkpoint import read_meta
-from lightning_tp3d.consistency import (
+from lightning_tp3d.diagnostics.consistency import (
     DEFAULT_PROMPT_LENGTHS,
     TOLERANCES,
     ConsistencyReport,
@@ -35,8 +34,9 @@ from lightning_tp3d.consistency import (
     model_from_hf_folder,
     run_with_layer_outputs,
 )
-from lightning_tp3d.export import DEPLOY_SHARDS, HF_EXPORT, ExportResult, deploy_folder, export_checkpoint
-from lightning_tp3d.folders import check_output_folder
+from lightning_tp3d.io.checkpoint import read_meta
+from lightning_tp3d.io.export import DEPLOY_SHARDS, HF_EXPORT, ExportResult, deploy_folder, export_checkpoint
+from lightning_tp3d.io.folders import check_output_folder
 
 __all__ = ["ConsistencyCheck", "ExportCallback"]
 

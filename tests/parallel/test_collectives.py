@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from lightning_tp3d import TP3DStrategy
-from lightning_tp3d.collectives import CollectiveTimeoutError, describe_failed_collective
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
+from lightning_tp3d.parallel.collectives import CollectiveTimeoutError, describe_failed_collective
 from tests.distributed import run_distributed
 from tests.helpers import SEQ_LEN, trainer_kwargs, world_size
 
@@ -70,7 +70,7 @@ def test_other_errors_are_not_renamed():
 
 
 def test_recording_turns_on_both_flight_recorders_and_the_nccl_timeout_dump_without_overriding(monkeypatch):
-    from lightning_tp3d.collectives import enable_collective_recording
+    from lightning_tp3d.parallel.collectives import enable_collective_recording
 
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                  "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):

@@ -24,9 +24,9 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.distributed.tensor import DTensor
 
-from lightning_tp3d.ledger import training_flops_per_token
-from lightning_tp3d.mesh import mesh_device
 from lightning_tp3d.parallel.grad_norm import global_grad_norm
+from lightning_tp3d.parallel.mesh import mesh_device
+from lightning_tp3d.plan.ledger import training_flops_per_token
 
 __all__ = ["TP3DThroughputMonitor", "local_storage_bytes"]
 
