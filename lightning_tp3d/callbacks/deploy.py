@@ -35,7 +35,8 @@ from lightning_tp3d.diagnostics.consistency import (
     run_with_layer_outputs,
 )
 from lightning_tp3d.io.checkpoint import read_meta
-from lightning_tp3d.io.export import DEPLOY_SHARDS, HF_EXPORT, ExportResult, deploy_folder, export_checkpoint
+from lightning_tp3d.io.deploy import DEPLOY_SHARDS, deploy_folder
+from lightning_tp3d.io.export import HF_EXPORT, ExportResult, export_checkpoint
 from lightning_tp3d.io.folders import check_output_folder
 
 __all__ = ["ConsistencyCheck", "ExportCallback"]

@@ -22,35 +22,22 @@ dropout masks in the recompute equal the forward's. Apply after tensor paralleli
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_tp3d.plan.recompute import (
+    DEFAULT_SELECTIVE_TARGET,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    check_recompute_options,
+    recomputed_layers,
+)
+
 __all__ = ["DEFAULT_SELECTIVE_TARGET", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "apply_recompute",
            "check_recompute_options", "recomputed_layers"]
-
-RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
-DEFAULT_SELECTIVE_TARGET = "self_attn.core_attention"
-
-
-def check_recompute_options(granularity: str, method: str, num_layers: int) -> None:
-    if granularity not in RECOMPUTE_GRANULARITIES:
-        raise ValueError(f"recompute={granularity!r} is not one of {list(RECOMPUTE_GRANULARITIES)}.")
-    if method not in RECOMPUTE_METHODS:
-        raise ValueError(f"recompute_method={method!r} is not one of {list(RECOMPUTE_METHODS)}.")
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"recompute_num_layers must be a positive integer, got {num_layers!r}.")
-
-
-def recomputed_layers(stage_layers: Sequence[Sequence[int]], method: str, num_layers: int) -> list[int]:
-    """Global indices of the recomputed blocks, given the global layer indices of each stage."""
-    if method == "uniform":
-        return [layer for layers in stage_layers for layer in layers if layer % num_layers == 0]
-    return [layer for layers in stage_layers for layer in list(layers)[:num_layers]]
-
 
 def apply_recompute(blocks: Mapping[int, nn.Module], granularity: str,
                     selective_target: str = DEFAULT_SELECTIVE_TARGET) -> None:

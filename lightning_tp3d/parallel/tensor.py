@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_tp3d.parallel.materialize import retie, tied_parameter_groups
+from lightning_tp3d.plan.sharding import EMBEDDING, HEAD, LAYER_WEIGHTS
 
 __all__ = [
     "TensorParallelPlan",
@@ -48,15 +49,16 @@ TensorParallelPlan = Mapping[str, ParallelStyle]
 
 
 def llama_tp_plan() -> dict[str, ParallelStyle]:
-    """Plan for Hugging Face Llama names, relative to the `LlamaForCausalLM` root."""
+    """Plan for Hugging Face Llama names, relative to the `LlamaForCausalLM` root, from the split table
+    `plan.sharding` (the one the deploy shards and the ledger use)."""
     plan: dict[str, ParallelStyle] = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        EMBEDDING.module: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        HEAD.module: ColwiseParallel(output_layouts=Replicate()),
     }
-    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-        plan[f"model.layers.*.{name}"] = ColwiseParallel()
-    for name in ("self_attn.o_proj", "mlp.down_proj"):
-        plan[f"model.layers.*.{name}"] = RowwiseParallel()
+    layer_styles = {"column": ColwiseParallel, "row": RowwiseParallel}
+    for weight in LAYER_WEIGHTS:
+        if weight.split in layer_styles:
+            plan[f"model.layers.*.{weight.module}"] = layer_styles[weight.split]()
     return plan
 
 

@@ -37,9 +37,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from lightning_tp3d.parallel.recompute import check_recompute_options, recomputed_layers
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
+from lightning_tp3d.plan.recompute import check_recompute_options, recomputed_layers
+from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, layer_parameters_per_rank, parameters_per_rank
 
 __all__ = [
     "PRECISIONS",
@@ -127,13 +128,6 @@ class TrainingLedger:
         }
 
 
-def _layer_parameters(config: ModelConfig, tp: int) -> int:
-    h, d = config.hidden_size, config.head_dim
-    sharded = 2 * h * config.num_attention_heads * d + 2 * h * config.num_key_value_heads * d
-    sharded += 3 * h * config.intermediate_size
-    return sharded // tp + 2 * h
-
-
 def _layer_activation_elements(config: ModelConfig, tp: int, seq_len: int, micro_batch: int) -> int:
     h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
     heads = (config.num_attention_heads + config.num_key_value_heads) * d
@@ -166,13 +160,13 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
     stages = []
     for stage, layers in enumerate(layout.stage_layer_ranges(config.num_hidden_layers)):
         first, last = stage == 0, stage == pp - 1
-        parameters = len(layers) * _layer_parameters(config, tp)
+        parameters = len(layers) * layer_parameters_per_rank(config, tp)
         if first:
-            parameters += config.vocab_size * config.hidden_size // tp
+            parameters += parameters_per_rank(EMBEDDING, config, tp)
         if last:
-            parameters += config.hidden_size
+            parameters += parameters_per_rank(FINAL_NORM, config, tp)
             if not (config.tie_word_embeddings and first):
-                parameters += config.vocab_size * config.hidden_size // tp
+                parameters += parameters_per_rank(HEAD, config, tp)
         recomputed = 0
         if options.recompute != "none":
             recomputed = len(recomputed_layers([layers], options.recompute_method, options.recompute_num_layers))

@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_tp3d.data.sampler import SamplePosition
 from lightning_tp3d.diagnostics.doctor import DoctorReport, run_doctor
 from lightning_tp3d.io.checkpoint import MODEL_GROUP, CheckpointMeta, load_checkpoint, load_rng_state
-from lightning_tp3d.io.export import load_hf_weights
+from lightning_tp3d.io.hf import load_hf_weights
 from lightning_tp3d.io.random_state import restore_rng_state
 from lightning_tp3d.models.llama import causal_lm_loss
 from lightning_tp3d.parallel.data import DATA_PARALLEL_MODES, all_reduce_gradients, apply_fsdp

@@ -34,8 +34,10 @@ from lightning_tp3d.cli import main as tp3d
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.diagnostics.consistency import fixed_prompts, model_from_checkpoint
 from lightning_tp3d.io.checkpoint import CheckpointMeta, save_checkpoint
-from lightning_tp3d.io.export import deploy_split_dim, export_checkpoint, hf_tensor_names, write_deploy_shards
+from lightning_tp3d.io.deploy import write_deploy_shards
+from lightning_tp3d.io.export import export_checkpoint
 from lightning_tp3d.models import CausalLMModule
+from lightning_tp3d.plan.sharding import hf_tensor_names, split_dim
 from tests.distributed import run_distributed
 from tests.helpers import LEARNING_RATE, SEQ_LEN, MemoryLogger, trainer_kwargs, world_size
 
@@ -183,7 +185,7 @@ def test_deploy_shards_concatenate_back_to_the_merged_weights(exported, tmp_path
         assert sharding["tensor_parallel_size"] == tp and sharding["kv_heads_replicated"] == (tp > 2)
         ranks = [_read_folder(folder / f"rank-{rank:02d}") for rank in range(tp)]
         for name, whole in merged.items():
-            dim = deploy_split_dim(name)
+            dim = split_dim(name)
             assert sharding["split_dim"][name] == dim
             pieces = [rank[name] for rank in ranks]
             if dim is None:
@@ -192,8 +194,8 @@ def test_deploy_shards_concatenate_back_to_the_merged_weights(exported, tmp_path
             if tp > 2 and name.endswith(("k_proj.weight", "v_proj.weight")):
                 pieces = pieces[:: tp // 2]  # each of the 2 kv heads is held by tp / 2 ranks
             assert torch.equal(torch.cat(pieces, dim=dim), whole), name
-    assert deploy_split_dim("model.layers.0.self_attn.o_proj.weight") == 1
-    assert deploy_split_dim("model.layers.0.post_attention_layernorm.weight") is None
+    assert split_dim("model.layers.0.self_attn.o_proj.weight") == 1
+    assert split_dim("model.layers.0.post_attention_layernorm.weight") is None
 
 
 def test_invalid_deploy_tp_is_refused(exported, capsys):
