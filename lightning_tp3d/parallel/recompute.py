@@ -22,12 +22,13 @@ dropout masks in the recompute equal the forward's. Apply after tensor paralleli
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_tp3d.parallel.paths import find_attribute, indexed_blocks
 from lightning_tp3d.plan.recompute import (
     DEFAULT_SELECTIVE_TARGET,
     RECOMPUTE_GRANULARITIES,
@@ -37,7 +38,8 @@ from lightning_tp3d.plan.recompute import (
 )
 
 __all__ = ["DEFAULT_SELECTIVE_TARGET", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "apply_recompute",
-           "check_recompute_options", "recomputed_layers"]
+           "check_recompute_options", "recompute_network_layers", "recomputed_layers"]
+
 
 def apply_recompute(blocks: Mapping[int, nn.Module], granularity: str,
                     selective_target: str = DEFAULT_SELECTIVE_TARGET) -> None:
@@ -47,9 +49,7 @@ def apply_recompute(blocks: Mapping[int, nn.Module], granularity: str,
             block.forward = _checkpointed(block.forward)
             continue
         owner_path, _, name = selective_target.rpartition(".")
-        owner: Any = block
-        for part in filter(None, owner_path.split(".")):
-            owner = getattr(owner, part, None)
+        owner = find_attribute(block, owner_path)
         target = getattr(owner, name, None) if owner is not None else None
         if target is None:
             raise AttributeError(
@@ -60,6 +60,17 @@ def apply_recompute(blocks: Mapping[int, nn.Module], granularity: str,
             target.forward = _checkpointed(target.forward)
         else:
             setattr(owner, name, _checkpointed(target))
+
+
+def recompute_network_layers(layers: nn.ModuleDict | nn.ModuleList, stage_layers: Sequence[Sequence[int]],
+                             granularity: str, method: str, num_layers: int,
+                             selective_target: str = DEFAULT_SELECTIVE_TARGET) -> list[int]:
+    """Choose the blocks of `layers` to recompute (`recomputed_layers`: `method`, `num_layers`, over the
+    global layer indices of each pipeline stage) and apply `granularity` to them; returns their indices."""
+    blocks = indexed_blocks(layers)
+    chosen = recomputed_layers(stage_layers, method, num_layers)
+    apply_recompute({index: blocks[index] for index in chosen}, granularity, selective_target)
+    return chosen
 
 
 def _checkpointed(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -37,16 +37,14 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.utilities.types import ReduceOp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_tp3d.io.checkpoint import save_checkpoint
-from lightning_tp3d.parallel.collectives import enable_collective_recording, naming_stuck_collectives
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
-from lightning_tp3d.plan.layout import ParallelLayout
-from lightning_tp3d.strategies.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config
+from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
+from lightning_tp3d.strategies.core import ParallelCore, model_config
+from lightning_tp3d.strategies.options import ParallelOptions
 from lightning_tp3d.strategies.precision import check_supported_precision, current_loss_scale
 
 __all__ = ["TP3DFabricStrategy"]
@@ -74,7 +72,7 @@ class _BackwardSyncControl(_ParallelBackwardSyncControl):
         return skipping()
 
 
-class TP3DFabricStrategy(ModelParallelStrategy):
+class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
     """Fabric strategy for 3-D parallel training; the arguments are `TP3DStrategy`'s (without the
     Trainer-only `model_attribute` and `async_checkpoint`): the network is the module given to `setup`."""
 
@@ -104,31 +102,15 @@ class TP3DFabricStrategy(ModelParallelStrategy):
         super().__init__(parallelize_fn=self._parallelize, data_parallel_size=data_parallel_size,
                          tensor_parallel_size=tensor_parallel_size, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self.core = ParallelCore.from_arguments(locals())
+        self.core = ParallelCore(ParallelOptions.from_arguments(locals()))
         self._backward_sync_control = _BackwardSyncControl(self)
         self._gradient_sync = True
         self._network: nn.Module | None = None
 
-    @property
-    def layout(self) -> ParallelLayout:
-        return self.core.layout
-
-    @override
-    def _configure_launcher(self) -> None:
-        self.core.resolve_layout(self.num_nodes * self.num_processes)  # before any process is launched
-        super()._configure_launcher()
-
     @override
     def setup_environment(self) -> None:
-        enable_collective_recording()
         self.accelerator.setup_device(self.root_device)
-        self._setup_distributed()
-        self._device_mesh = self.core.setup_mesh(self.world_size, self.root_device.type, self._timeout)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.core.sampler_kwargs(self.global_rank)
+        self._setup_distributed_mesh()
 
     def _parallelize(self, module: nn.Module, _: Any) -> nn.Module:
         check_supported_precision(self.precision.precision)
@@ -174,9 +156,8 @@ class TP3DFabricStrategy(ModelParallelStrategy):
     @override
     def all_reduce(self, tensor: torch.Tensor, group: Any | None = None,
                    reduce_op: ReduceOp | str | None = "mean") -> torch.Tensor:
-        """Over the dp group by default: values are replicated over the tp and pp ranks of a replica."""
-        return super().all_reduce(tensor, group=self.core.group("dp") if group is None else group,
-                                  reduce_op=reduce_op)
+        """Over the dp group by default (see `TP3DStrategyBase._reduction_group`)."""
+        return super().all_reduce(tensor, group=self._reduction_group(group), reduce_op=reduce_op)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -189,12 +170,10 @@ class TP3DFabricStrategy(ModelParallelStrategy):
         model_key, module, optimizers = _split_state(state)
         rest = {key: value for key, value in state.items() if key != model_key and key not in optimizers}
         rest[_KEYS] = {"model": model_key, "optimizers": list(optimizers)}
-        optimizer_states = [get_optimizer_state_dict(module, optimizer, options=FLAT_OPTIMIZER_STATE)
-                            for optimizer in optimizers.values()]
         step = state.get("step", 0)
         meta = self.core.checkpoint_meta(self.world_size, step if isinstance(step, int) else 0, 0, "",
                                          model_config(module))
-        save_checkpoint(path, self.core.sharded_state(get_model_state_dict(module), optimizer_states), rest, meta)
+        self.core.save(path, *self.core.states_of(module, list(optimizers.values())), rest, meta)
 
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
@@ -211,13 +190,6 @@ class TP3DFabricStrategy(ModelParallelStrategy):
         return saved
 
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("tp3d", cls,
-                                   description="Tensor x pipeline x data parallel strategy of lightning_tp3d")
-
-
 def _split_state(state: Mapping[str, Any]) -> tuple[str, nn.Module, dict[str, Optimizer]]:
     modules = [key for key, value in state.items() if isinstance(value, nn.Module)]
     if len(modules) != 1:
@@ -227,7 +199,5 @@ def _split_state(state: Mapping[str, Any]) -> tuple[str, nn.Module, dict[str, Op
     return modules[0], state[modules[0]], optimizers
 
 
-for _hook in ("backward", "clip_gradients_norm", "save_checkpoint", "load_checkpoint", "all_reduce", "barrier",
-              "broadcast"):
-    setattr(TP3DFabricStrategy, _hook, naming_stuck_collectives(getattr(TP3DFabricStrategy, _hook)))
-del _hook
+name_stuck_collectives_in(TP3DFabricStrategy, ("backward", "clip_gradients_norm", "save_checkpoint", "load_checkpoint",
+                                               "all_reduce", "barrier", "broadcast"))

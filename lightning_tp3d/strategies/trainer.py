@@ -42,13 +42,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosition
-from lightning_tp3d.diagnostics.doctor import DoctorReport
-from lightning_tp3d.io.checkpoint import PendingSave, save_checkpoint
-from lightning_tp3d.parallel.collectives import enable_collective_recording, naming_stuck_collectives
-from lightning_tp3d.parallel.pipeline import StageTiming
+from lightning_tp3d.io.checkpoint import PendingSave
+from lightning_tp3d.parallel.paths import resolve_attribute
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
-from lightning_tp3d.plan.layout import ParallelLayout
-from lightning_tp3d.strategies.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config, resolve_attribute
+from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
+from lightning_tp3d.strategies.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config
+from lightning_tp3d.strategies.options import ParallelOptions
 from lightning_tp3d.strategies.precision import (
     ModelParallelGradScaler,
     TP3DPrecision,
@@ -59,7 +58,7 @@ from lightning_tp3d.strategies.precision import (
 __all__ = ["TP3DStrategy"]
 
 
-class TP3DStrategy(ModelParallelStrategy):
+class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
     """Trainer strategy for 3-D parallel training on a ("pp", "dp", "tp") device mesh.
 
     Args:
@@ -100,8 +99,6 @@ class TP3DStrategy(ModelParallelStrategy):
     every rank agrees on, `Trainer(plugins=[TP3DPrecision("16-mixed")])` (see `lightning_tp3d.strategies.precision`).
     """
 
-    strategy_name = "tp3d"
-
     def __init__(
         self,
         tensor_parallel_size: int = 1,
@@ -134,35 +131,16 @@ class TP3DStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.core = ParallelCore.from_arguments(locals())
+        self.core = ParallelCore(ParallelOptions.from_arguments(locals()))
         self._model_attribute = model_attribute
         self._resume_position: SamplePosition | None = None
         self._async_checkpoint = async_checkpoint
         self._checkpoint_group: torch.distributed.ProcessGroup | None = None
         self._pending_save: PendingSave | None = None
 
-    # ------------------------------------------------------------------ layout and mesh
-    @property
-    def layout(self) -> ParallelLayout:
-        return self.core.layout
-
-    @property
-    def data_parallel_mode(self) -> str:
-        return self.core.data_parallel_mode
-
-    @property
-    def preflight_report(self) -> DoctorReport | None:
-        return self.core.preflight_report
-
     # A network built on the meta device (in `configure_model`) is materialised as this rank's shard in
     # `setup` and initialised by its `init_weights()` (see `parallel.materialize`); modules may rely on it.
     materializes_meta_networks = True
-
-    @override
-    def _configure_launcher(self) -> None:
-        # Called by the Trainer once devices and nodes are known, before any process is launched.
-        self.core.resolve_layout(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -173,20 +151,12 @@ class TP3DStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        enable_collective_recording()  # before any group exists: failed collectives can then be named
-        self._setup_distributed()
-        self._device_mesh = self.core.setup_mesh(self.num_nodes * self.num_processes, self.root_device.type,
-                                                 self._timeout)
+        self._setup_distributed_mesh()
         # `LightningModule.device_mesh` makes the mesh reachable from `configure_model` and the steps.
         self.lightning_module._device_mesh = self._device_mesh
         if self._async_checkpoint and self._checkpoint_group is None:
             # The background writer's collectives need a group of their own: they overlap with training's.
             self._checkpoint_group = torch.distributed.new_group(backend="gloo")
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.core.sampler_kwargs(self.global_rank)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -247,7 +217,7 @@ class TP3DStrategy(ModelParallelStrategy):
         if scaler is not None and not isinstance(scaler, ModelParallelGradScaler) and self.world_size > 1:
             raise ValueError(
                 f"The precision plugin's {type(scaler).__name__} checks for inf/nan on each rank alone, so ranks would"
-                " disagree on skipping a step; use plugins=[TP3DPrecision('16-mixed')] from lightning_tp3d.strategies.precision."
+                " disagree on skipping a step; use plugins=[TP3DPrecision('16-mixed')] (lightning_tp3d.TP3DPrecision)."
             )
         check_supported_precision(self.precision_plugin.precision)
         self.accelerator.setup(trainer)
@@ -269,11 +239,6 @@ class TP3DStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._route_gradient_clipping()
-
-    @property
-    def pipeline_timing(self) -> StageTiming | None:
-        """This rank's busy and idle time in the last pipelined training step (None without pipelining)."""
-        return None if self.core.pipeline is None else self.core.pipeline.timing
 
     # ------------------------------------------------------------------ step
     @override
@@ -328,15 +293,15 @@ class TP3DStrategy(ModelParallelStrategy):
             raise TypeError(f"{type(self).__name__} writes DCP shards itself and takes no storage_options.")
         path = Path(self.broadcast(str(filepath)))
         self.finish_pending_save()
-        state = self.core.sharded_state(checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", []))
+        model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         meta = self.core.checkpoint_meta(self.world_size, checkpoint.get("global_step", 0), checkpoint.get("epoch", 0),
                                          self._model_attribute + ".", model_config(self.network))
         # Only inside a running fit, whose teardown finishes the save; a save after fit is synchronous.
         trainer_state = self.lightning_module.trainer.state
         asynchronous = (self._async_checkpoint and trainer_state.fn == TrainerFn.FITTING
                         and trainer_state.status == TrainerStatus.RUNNING)
-        self._pending_save = save_checkpoint(path, state, checkpoint, meta, asynchronous=asynchronous,
-                                             process_group=self._checkpoint_group)
+        self._pending_save = self.core.save(path, model_state, optimizer_states, checkpoint, meta,
+                                            asynchronous=asynchronous, process_group=self._checkpoint_group)
 
     def finish_pending_save(self) -> None:
         """Wait for an asynchronous save and move it under its name (a collective; a no-op without one)."""
@@ -366,22 +331,10 @@ class TP3DStrategy(ModelParallelStrategy):
     def reduce(
         self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> torch.Tensor | Any:
-        """Reduce over the dp group by default: logged values are replicated over tp and pp ranks, so a
-        reduction over the whole world would count each sample tp x pp times under `"sum"`."""
-        if group is None and self._device_mesh is not None:
-            group = self.core.group("dp")
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Tensor x pipeline x data parallel strategy of lightning_tp3d"
-        )
+        """Over the dp group by default (see `TP3DStrategyBase._reduction_group`)."""
+        return super().reduce(tensor, group=self._reduction_group(group), reduce_op=reduce_op)
 
 
-# A collective failing inside these hooks raises CollectiveTimeoutError naming the group and the operation.
-for _hook in ("training_step", "validation_step", "test_step", "predict_step", "optimizer_step", "backward",
-              "save_checkpoint", "load_checkpoint", "barrier", "broadcast", "reduce"):
-    setattr(TP3DStrategy, _hook, naming_stuck_collectives(getattr(TP3DStrategy, _hook)))
-del _hook
+name_stuck_collectives_in(TP3DStrategy, ("training_step", "validation_step", "test_step", "predict_step",
+                                         "optimizer_step", "backward", "save_checkpoint", "load_checkpoint",
+                                         "barrier", "broadcast", "reduce"))

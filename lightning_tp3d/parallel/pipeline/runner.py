@@ -1,14 +1,4 @@
-"""Pipeline parallelism with `torch.distributed.pipelining`, driven from one network per rank.
-
-A rank keeps one network holding only what its stages own: the blocks of its layer ranges (still keyed
-by global index, so parameter names do not change), the first-stage modules (embedding) if it runs
-stage 0 and the last-stage modules (final norm, head) if it runs the last stage. Each stage is a
-`StageModule`, a view that applies `first modules -> blocks -> last modules` in order to the same
-module objects (nothing is copied), which `PipelineStage` wraps.
-
-Stage placement: single-stage schedules put stage r on pp rank r; looped multi-stage schedules
-(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) put stages r, r + pp, r + 2 pp, ... on rank r;
-V-shaped ones (ZBVZeroBubble, DualPipeV) put stages r and 2 pp - 1 - r on rank r.
+"""Running whole batches through this rank's pipeline stages with a `torch.distributed.pipelining` schedule.
 
 Loss: each micro-batch's loss is the mean over its tokens and the schedule divides gradients by the
 number of micro-batches, so gradients equal those of the whole batch's mean loss when micro-batches
@@ -18,140 +8,21 @@ hold equally many target tokens (always, without ignored labels).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from lightning_tp3d.parallel.pipeline.schedules import PIPELINE_SCHEDULES, PipelinePlan
+from lightning_tp3d.parallel.pipeline.split import StageModule
 from lightning_tp3d.parallel.timing import DeviceInterval
 
-__all__ = [
-    "PIPELINE_SCHEDULES",
-    "PipelinePlan",
-    "PipelineRunner",
-    "StageModule",
-    "StageTiming",
-    "plan_pipeline",
-    "prune_to_stages",
-    "stages_per_rank_of",
-]
+__all__ = ["PipelineRunner", "StageTiming"]
 
-# user-facing name -> torch schedule class name
-PIPELINE_SCHEDULES: dict[str, str] = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved_1f1b": "Interleaved1F1B",
-    "looped_bfs": "LoopedBFS",
-    "interleaved_zero_bubble": "InterleavedZeroBubble",
-    "zbv_zero_bubble": "ZBVZeroBubble",
-    "dualpipev": "DualPipeV",
-}
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.long]
 _MAX_DIMS = 8  # dims of a tensor sent between stages in forward-only runs
-_LOOPED = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble"}
-_V_SHAPED = {"zbv_zero_bubble", "dualpipev"}
-# Schedules that run the first backward before all forwards are done need one micro-batch per stage.
-_NEEDS_MICROBATCHES_PER_RANK = {"1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble",
-                                "dualpipev"}
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    schedule: str
-    num_stages: int
-    stage_indices: tuple[int, ...]  # stages run by this rank
-    layer_ranges: tuple[range, ...]  # this rank's stages' layers, same order
-    last_stage_pp_rank: int
-
-
-def stages_per_rank_of(schedule: str, pp_size: int, num_microbatches: int, stages_per_rank: int) -> int:
-    """Stages each rank runs under `schedule`; errors name the constraint and the fix."""
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline_schedule={schedule!r} is not one of {sorted(PIPELINE_SCHEDULES)}.")
-    if schedule in _NEEDS_MICROBATCHES_PER_RANK and num_microbatches < pp_size:
-        raise ValueError(
-            f"pipeline_schedule={schedule!r} needs num_microbatches >= pipeline_parallel_size, got"
-            f" num_microbatches={num_microbatches} < {pp_size}; raise num_microbatches or use 'gpipe'."
-        )
-    if schedule == "dualpipev" and num_microbatches < 2 * pp_size:
-        raise ValueError(
-            f"pipeline_schedule='dualpipev' runs 2 stages per rank and needs num_microbatches >= 2 x"
-            f" pipeline_parallel_size = {2 * pp_size}, got {num_microbatches}; raise num_microbatches."
-        )
-    if schedule in _V_SHAPED:
-        return 2
-    if schedule in _LOOPED:
-        if stages_per_rank < 2:
-            raise ValueError(
-                f"pipeline_schedule={schedule!r} runs several stages per rank; set stages_per_rank >= 2"
-                f" (got {stages_per_rank}) or choose 'gpipe' / '1f1b'."
-            )
-        return stages_per_rank
-    return 1
-
-
-def plan_pipeline(
-    schedule: str, pp_size: int, pp_rank: int, num_microbatches: int, stages_per_rank: int,
-    stage_ranges: Callable[[int], Sequence[range]],
-) -> PipelinePlan:
-    """Where each stage runs and which layers it owns (`stage_ranges(num_stages)` splits the layers)."""
-    per_rank = stages_per_rank_of(schedule, pp_size, num_microbatches, stages_per_rank)
-    num_stages = pp_size * per_rank
-    if schedule in _V_SHAPED:
-        indices = (pp_rank, num_stages - 1 - pp_rank)
-        last_pp_rank = 0
-    else:
-        indices = tuple(pp_rank + k * pp_size for k in range(per_rank))
-        last_pp_rank = pp_size - 1
-    ranges = stage_ranges(num_stages)
-    return PipelinePlan(schedule, num_stages, indices, tuple(ranges[i] for i in indices), last_pp_rank)
-
-
-def _get(root: nn.Module, path: str) -> nn.Module | None:
-    module: nn.Module | None = root
-    for part in path.split("."):
-        module = getattr(module, part, None)
-    return module
-
-
-def _set_none(root: nn.Module, path: str) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = _get(root, parent_path) if parent_path else root
-    setattr(parent, name, None)
-
-
-def prune_to_stages(
-    network: nn.Module, plan: PipelinePlan, layers: nn.ModuleDict, first_modules: Sequence[str],
-    last_modules: Sequence[str],
-) -> None:
-    """Delete from `network` every block, first- and last-stage module that this rank's stages do not run."""
-    owned = {str(index) for layer_range in plan.layer_ranges for index in layer_range}
-    for key in list(layers.keys()):
-        if key not in owned:
-            del layers[key]
-    if 0 not in plan.stage_indices:
-        for path in first_modules:
-            _set_none(network, path)
-    if plan.num_stages - 1 not in plan.stage_indices:
-        for path in last_modules:
-            _set_none(network, path)
-
-
-class StageModule(nn.Module):
-    """One pipeline stage: x -> first modules -> blocks -> last modules, over shared module objects."""
-
-    def __init__(self, parts: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for part in self.parts:
-            x = part(x)
-        return x
 
 
 class StageTiming:

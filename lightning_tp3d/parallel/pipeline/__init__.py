@@ -1,0 +1,31 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`, driven from one network per rank.
+
+`schedules` places the stages on pp ranks, `split` prunes the network to this rank's stages and views
+each as a `StageModule`, `runner` runs batches through a schedule (or stage after stage without one for
+evaluation), and `forward` makes `network(input_ids, labels=...)` run it and hands the schedule's
+gradients to the loop's backward.
+"""
+
+from lightning_tp3d.parallel.pipeline.forward import GradientHandOver, install_pipelined_forward
+from lightning_tp3d.parallel.pipeline.runner import PipelineRunner, StageTiming
+from lightning_tp3d.parallel.pipeline.schedules import (
+    PIPELINE_SCHEDULES,
+    PipelinePlan,
+    plan_pipeline,
+    stages_per_rank_of,
+)
+from lightning_tp3d.parallel.pipeline.split import StageModule, prune_to_stages, split_network
+
+__all__ = [
+    "PIPELINE_SCHEDULES",
+    "GradientHandOver",
+    "PipelinePlan",
+    "PipelineRunner",
+    "StageModule",
+    "StageTiming",
+    "install_pipelined_forward",
+    "plan_pipeline",
+    "prune_to_stages",
+    "split_network",
+    "stages_per_rank_of",
+]
