@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from lightning_tp3d import ModelConfig, TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
-from lightning_tp3d.io.checkpoint import load_model_tensors
+from lightning_tp3d.io.checkpoint_format import load_model_tensors
 from lightning_tp3d.io.export import export_checkpoint
 from lightning_tp3d.models import CausalLMModule
 

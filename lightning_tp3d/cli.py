@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from lightning_tp3d.io.checkpoint import CheckpointError
+from lightning_tp3d.io.checkpoint_format import CheckpointError
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.ledger import PRECISIONS, TrainingOptions, serving_ledger, serving_plan, training_ledger

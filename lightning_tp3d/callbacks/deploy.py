@@ -34,7 +34,7 @@ from lightning_tp3d.diagnostics.consistency import (
     model_from_hf_folder,
     run_with_layer_outputs,
 )
-from lightning_tp3d.io.checkpoint import read_meta
+from lightning_tp3d.io.checkpoint_format import read_meta
 from lightning_tp3d.io.deploy import DEPLOY_SHARDS, deploy_folder
 from lightning_tp3d.io.export import HF_EXPORT, ExportResult, export_checkpoint
 from lightning_tp3d.io.folders import check_output_folder

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_tp3d.io.checkpoint import ModelTensorReader
+from lightning_tp3d.io.checkpoint_format import ModelTensorReader
 from lightning_tp3d.io.hf import load_hf_weights
 from lightning_tp3d.models.llama import LlamaForCausalLM
 from lightning_tp3d.plan.config import ModelConfig

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_tp3d.io.checkpoint import CheckpointError, ModelTensorReader
+from lightning_tp3d.io.checkpoint_format import CheckpointError, ModelTensorReader
 from lightning_tp3d.io.deploy import DEPLOY_SHARDS, check_deploy_tp, deploy_folder, write_deploy_shards
 from lightning_tp3d.io.folders import check_output_folder, replace_folder, staging_folder
 from lightning_tp3d.io.hf import EXPORT_DTYPES, hf_config, load_hf_weights, open_hf_folder, write_safetensors

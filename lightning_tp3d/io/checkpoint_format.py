@@ -1,0 +1,262 @@
+"""The checkpoint format, and reading a checkpoint in one process (no process group needed).
+
+A checkpoint is a folder::
+
+    meta.json           format, layout (tp, pp, dp), step, epoch, consumed samples, model config and
+                        library versions; written last
+    trainer_state.pt    rank 0: the trainer's state (loops, callbacks, LR schedulers, hyper-parameters)
+                        and the optimizers' non-tensor values (learning rate, betas, ...)
+    rng/rank_00003.pt   per rank: torch, CUDA, Python and NumPy random states
+    .metadata, *.distcp torch.distributed.checkpoint (DCP) shards of every tensor under its global name
+                        and global shape: `module.<parameter name>` for the model and
+                        `optimizer_<i>.state.<parameter name>.<state>` for the optimizers
+
+Because DCP stores each tensor by global name and global shape, and every rank asks only for the
+pieces it holds (its pipeline stages, its tp slice, its FSDP shard), a checkpoint written at one
+layout loads at any other. The `.pt` files hold only tensors, numbers, strings and containers and are
+read with `torch.load(..., weights_only=True)`; no value of the checkpoint is unpickled as an object.
+
+`lightning_tp3d.io.checkpoint` saves and loads such folders from running processes.
+
+Example usage::
+
+    meta = read_meta(path)                  # checked meta.json
+    weights = load_model_tensors(path)      # one process: whole tensors by parameter name
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_tp3d.io.folders import PARTIAL_SUFFIX, REPLACED_SUFFIX, recovered_path
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointMeta",
+    "META_FILE",
+    "MODEL_GROUP",
+    "ModelTensorReader",
+    "RNG_FOLDER",
+    "TRAINER_STATE_FILE",
+    "check_shard_files",
+    "checkpoint_folder",
+    "dcp_single_process_notice_silenced",
+    "is_complete",
+    "load_model_tensors",
+    "load_weights_only",
+    "model_tensor_shapes",
+    "read_index",
+    "read_meta",
+    "rng_file_name",
+]
+
+FORMAT = "lightning_tp3d"
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+TRAINER_STATE_FILE = "trainer_state.pt"
+RNG_FOLDER = "rng"
+MODEL_GROUP = "module"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or does not fit; the message names the file and the problem."""
+
+
+def _library_versions() -> dict[str, str]:
+    return {"lightning_tp3d": version("lightning-tp3d"), "torch": version("torch"), "lightning": version("lightning")}
+
+
+@dataclass
+class CheckpointMeta:
+    """What `meta.json` records. `layout` is `ParallelLayout.to_dict()` of the run that saved.
+
+    `consumed_samples` counts the global samples trained on since the start of the run and
+    `consumed_samples_in_epoch` those of the current epoch (a step of per-rank batch b at data-parallel
+    size d consumes b x d), which is what lets a resume at another d continue the same sample stream.
+    `network_prefix` is the prefix of the network's parameter names inside the module's state, e.g.
+    `"model."` for `LightningModule.model`.
+    """
+
+    layout: dict[str, Any]
+    world_size: int
+    global_step: int = 0
+    epoch: int = 0
+    consumed_samples: int = 0
+    consumed_samples_in_epoch: int = 0
+    network_prefix: str = ""
+    model_config: dict[str, Any] | None = None
+    data_parallel_mode: str = "replicate"
+    versions: dict[str, str] = field(default_factory=_library_versions)
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def parallel_sizes(self) -> tuple[int, int, int]:
+        """(tensor, pipeline, data) parallel sizes of the run that saved."""
+        return (self.layout["tensor_parallel_size"], self.layout["pipeline_parallel_size"],
+                self.layout["data_parallel_size"])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True, default=str)
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / META_FILE).is_file()  # written last, after every rank finished
+
+
+def checkpoint_folder(path: str | Path) -> Path:
+    """The folder holding the checkpoint saved as `path`: `path`, or the complete folder of a replacement of
+    it that was interrupted between its two renames (see `lightning_tp3d.io.folders`)."""
+    return recovered_path(Path(path), is_complete)
+
+
+@contextmanager
+def dcp_single_process_notice_silenced() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group exists, which is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def rng_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+# ---------------------------------------------------------------------------------------------- read
+def read_meta(path: str | Path) -> CheckpointMeta:
+    """Read and check `meta.json`; every way a path can fail to be a whole checkpoint has its own message."""
+    path = Path(path)
+    if path.name.endswith(PARTIAL_SUFFIX):
+        raise CheckpointError(
+            f"{path} is an unfinished save (interrupted before every rank had written); load"
+            f" {path.name.removesuffix(PARTIAL_SUFFIX)} or another complete checkpoint instead."
+        )
+    path = checkpoint_folder(path)
+    if not path.exists():
+        siblings = (path.with_name(path.name + PARTIAL_SUFFIX), path.with_name(path.name + REPLACED_SUFFIX))
+        hints = [f" {sibling} exists: a save to this name was interrupted" for sibling in siblings if sibling.exists()]
+        raise CheckpointError(f"Checkpoint {path} does not exist.{';'.join(hints)}")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{path} is a file, but a lightning_tp3d checkpoint is a folder ({META_FILE} + DCP shards); a single-file"
+            " checkpoint of another strategy cannot be resumed with TP3DStrategy."
+        )
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        raise CheckpointError(
+            f"{path} has no {META_FILE}: it is not a lightning_tp3d checkpoint, or the save that wrote it did not"
+            " complete."
+        )
+    try:
+        values = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{meta_file} is not valid JSON ({error}); the checkpoint is damaged.") from None
+    if not isinstance(values, dict) or values.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_file} does not describe a lightning_tp3d checkpoint (format is not {FORMAT!r}).")
+    if values.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format version {values['format_version']}, newer than this lightning_tp3d reads"
+            f" ({FORMAT_VERSION}); upgrade lightning_tp3d."
+        )
+    known = {item.name for item in fields(CheckpointMeta)}
+    return CheckpointMeta(**{key: value for key, value in values.items() if key in known})
+
+
+def read_index(path: Path) -> Metadata:
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as error:  # noqa: BLE001
+        raise CheckpointError(
+            f"The DCP index {path / '.metadata'} cannot be read ({type(error).__name__}: {error}); the checkpoint"
+            " is damaged."
+        ) from None
+
+
+def check_shard_files(path: Path, metadata: Metadata) -> None:
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"Shard {file} is missing; the checkpoint is incomplete. Use another checkpoint.")
+        actual = file.stat().st_size
+        if actual < size:
+            raise CheckpointError(
+                f"Shard {file} is truncated: {actual} bytes on disk, the DCP index needs at least {size}. The"
+                " file was cut short after the save; restore it or use another checkpoint."
+            )
+
+
+def load_weights_only(file: Path) -> Any:
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing; the checkpoint is incomplete.")
+    try:
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except Exception as error:  # noqa: BLE001 - a truncated file, or one holding pickled objects
+        raise CheckpointError(f"{file} cannot be read safely ({type(error).__name__}: {error}).") from None
+
+
+# ---------------------------------------------------------------------------------------------- consolidate
+class _IndexedReader(dcp.FileSystemReader):
+    """A DCP reader that hands out an index read before, instead of unpickling `.metadata` per load."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+
+class ModelTensorReader:
+    """Whole model tensors of a checkpoint, merged from every shard, in this process alone.
+
+    The checkpoint is checked and its DCP index read once (meta.json, index, shard files); `load` then
+    reads only the requested tensors, so a caller asking for one name at a time streams the model
+    (export does) without paying for the index on every call.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.meta = read_meta(path)
+        self.path = checkpoint_folder(path)
+        metadata = read_index(self.path)
+        check_shard_files(self.path, metadata)
+        self._metadata = metadata
+        prefix = MODEL_GROUP + "."
+        self.shapes: dict[str, tuple[torch.Size, torch.dtype]] = {
+            key.removeprefix(prefix): (entry.size, entry.properties.dtype)
+            for key, entry in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+
+    def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        names = list(self.shapes) if names is None else list(names)
+        unknown = [name for name in names if name not in self.shapes]
+        if unknown:
+            raise CheckpointError(f"Checkpoint {self.path} has no model tensor {unknown[0]!r}.")
+        tensors = {f"{MODEL_GROUP}.{name}": torch.empty(self.shapes[name][0], dtype=self.shapes[name][1])
+                   for name in names}
+        with dcp_single_process_notice_silenced():
+            dcp.load(tensors, storage_reader=_IndexedReader(self.path, self._metadata), no_dist=True)
+        return {key.removeprefix(MODEL_GROUP + "."): tensor for key, tensor in tensors.items()}
+
+
+def model_tensor_shapes(path: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Whole (global) shape and dtype of every model tensor, by parameter name of the saved module."""
+    return ModelTensorReader(path).shapes
+
+
+def load_model_tensors(path: str | Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Whole model tensors (all, or `names`) merged from every shard, in this process alone."""
+    return ModelTensorReader(path).load(names)
