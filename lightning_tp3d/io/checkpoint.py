@@ -1,20 +1,10 @@
 """Sharded, atomic, resumable checkpoints that load at any (tp, pp, dp).
 
-A checkpoint is a folder::
-
-    meta.json           format, layout (tp, pp, dp), step, epoch, consumed samples, model config and
-                        library versions; written last
-    trainer_state.pt    rank 0: the trainer's state (loops, callbacks, LR schedulers, hyper-parameters)
-                        and the optimizers' non-tensor values (learning rate, betas, ...)
-    rng/rank_00003.pt   per rank: torch, CUDA, Python and NumPy random states
-    .metadata, *.distcp torch.distributed.checkpoint (DCP) shards of every tensor under its global name
-                        and global shape: `module.<parameter name>` for the model and
-                        `optimizer_<i>.state.<parameter name>.<state>` for the optimizers
-
-Because DCP stores each tensor by global name and global shape, and every rank asks only for the
-pieces it holds (its pipeline stages, its tp slice, its FSDP shard), a checkpoint written at one
-layout loads at any other. The `.pt` files hold only tensors, numbers, strings and containers and are
-read with `torch.load(..., weights_only=True)`; no value of the checkpoint is unpickled as an object.
+Saving and loading from running processes: every rank writes and reads only the pieces it holds (its
+pipeline stages, its tp slice, its FSDP shard), under global names and shapes, so a checkpoint written
+at one layout loads at any other. The folder's format (meta.json, DCP shards, weights-only `.pt`
+files) and reading it in one process are described in `lightning_tp3d.io.checkpoint_format`, whose
+names are importable from here too.
 
 A save writes `<name>.partial` and moves it to `<name>` after every rank has finished, so an
 interrupted save never leaves a half-written folder under the checkpoint's name, and an existing
@@ -22,9 +12,6 @@ checkpoint of that name is replaced without a moment at which neither exists (or
 cannot swap folders atomically, loading finds the complete one of the two by itself; see
 `lightning_tp3d.io.folders`). A save can run asynchronously:
 the tensors are copied to CPU memory and written by a background thread while training goes on.
-
-Reading a checkpoint in one process (meta, whole tensors) is `lightning_tp3d.io.checkpoint_format`'s job;
-its names are importable from here too.
 
 Example usage::
 
