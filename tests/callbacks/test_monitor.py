@@ -43,7 +43,7 @@ def run_world() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def records() -> list[dict[str, Any]]:
-    return run_distributed(4, "tests.test_monitor:run_world")
+    return run_distributed(4, "tests.callbacks.test_monitor:run_world")
 
 
 def _last(records: list, key: str) -> float:

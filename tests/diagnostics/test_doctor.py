@@ -40,7 +40,7 @@ def run_doctor_world() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def doctor() -> list[dict[str, Any]]:
-    return run_distributed(8, "tests.test_doctor:run_doctor_world")
+    return run_distributed(8, "tests.diagnostics.test_doctor:run_doctor_world")
 
 
 def test_doctor_reports_every_group_of_every_dimension(doctor):

@@ -159,7 +159,7 @@ def crash_between_renames(directory: str) -> None:
     (SIGKILL to every process, as when a node fails) while the step-2 checkpoint replaces the step-1 one,
     between moving the old folder aside and moving the new one in: the replacement a system without an
     atomic folder swap makes. The step-2 weights are kept in `step2.pt` to compare with."""
-    run_distributed(2, "tests.test_checkpoint:_save_every_step", directory, None, True)
+    run_distributed(2, "tests.io.test_checkpoint:_save_every_step", directory, None, True)
 
 
 def _die_between_renames() -> None:
@@ -208,14 +208,14 @@ def _save_every_step(directory: str, ckpt_path: str | None = None, crash: bool =
 @pytest.fixture(scope="module")
 def exact(tmp_path_factory) -> tuple[dict[str, Any], Path]:
     directory = tmp_path_factory.mktemp("exact")
-    return run_distributed(8, "tests.test_checkpoint:run_exact_resume_world", str(directory)), directory
+    return run_distributed(8, "tests.io.test_checkpoint:run_exact_resume_world", str(directory)), directory
 
 
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory) -> tuple[dict[str, dict], Path]:
     directory = tmp_path_factory.mktemp("reshard")
-    four = run_distributed(4, "tests.test_checkpoint:run_reshard_save_world", str(directory))
-    two = run_distributed(2, "tests.test_checkpoint:run_reshard_resume_world", str(directory))
+    four = run_distributed(4, "tests.io.test_checkpoint:run_reshard_save_world", str(directory))
+    two = run_distributed(2, "tests.io.test_checkpoint:run_reshard_resume_world", str(directory))
     runs = {name: [rank[name] for rank in four] for name in four[0]}
     runs.update({name: [rank[name] for rank in two] for name in two[0]})
     return runs, directory / "step4.ckpt"
@@ -309,7 +309,7 @@ def _model_state(network: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]
 
 
 def test_killed_save_leaves_the_previous_checkpoint_whole(tmp_path):
-    command = [sys.executable, "-c", "import sys; from tests.test_checkpoint import crash_during_second_save as f;"
+    command = [sys.executable, "-c", "import sys; from tests.io.test_checkpoint import crash_during_second_save as f;"
                " f(sys.argv[1])", str(tmp_path)]
     process = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=300)
     assert process.returncode == -signal.SIGKILL, process.stderr.decode()[-3000:]
@@ -332,7 +332,7 @@ def test_killed_save_leaves_the_previous_checkpoint_whole(tmp_path):
 
 
 def test_kill_between_the_renames_of_a_replacement_then_resume(tmp_path):
-    command = [sys.executable, "-c", "import sys; from tests.test_checkpoint import crash_between_renames as f;"
+    command = [sys.executable, "-c", "import sys; from tests.io.test_checkpoint import crash_between_renames as f;"
                " f(sys.argv[1])", str(tmp_path)]
     process = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=300,
                              start_new_session=True)
@@ -347,7 +347,7 @@ def test_kill_between_the_renames_of_a_replacement_then_resume(tmp_path):
         restored = load_model_tensors(tmp_path / "last.ckpt")
     assert all(torch.equal(restored[f"model.{name}"], value) for name, value in expected.items())
     # Resuming from `last.ckpt` at two ranks starts from step 2's weights, and the next save tidies up.
-    (resumed, _) = run_distributed(2, "tests.test_checkpoint:_save_every_step", str(tmp_path),
+    (resumed, _) = run_distributed(2, "tests.io.test_checkpoint:_save_every_step", str(tmp_path),
                                    str(tmp_path / "last.ckpt"))
     assert resumed["loaded"]["step"] == 2 and len(resumed["losses"]) == 1
     assert all(torch.equal(resumed["loaded"]["weights"][name], value) for name, value in expected.items())

@@ -126,7 +126,7 @@ def _first_training_batch() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> tuple[list[dict[str, Any]], Path]:
     directory = tmp_path_factory.mktemp("export")
-    return run_distributed(8, "tests.test_export:run_export_world", str(directory)), directory
+    return run_distributed(8, "tests.io.test_export:run_export_world", str(directory)), directory
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def imported(tmp_path_factory) -> tuple[list[dict[str, Any]], Path]:
         num_key_value_heads=tiny.num_key_value_heads, rms_norm_eps=tiny.rms_norm_eps, rope_theta=tiny.rope_theta,
         max_position_embeddings=tiny.max_position_embeddings, tie_word_embeddings=False))
     source.save_pretrained(directory / "source")
-    return run_distributed(4, "tests.test_export:run_import_world", str(directory)), directory
+    return run_distributed(4, "tests.io.test_export:run_import_world", str(directory)), directory
 
 
 # ---------------------------------------------------------------------- export at (2, 2, 2)
@@ -249,7 +249,7 @@ def refuse_users_folder(directory: str) -> dict[str, Any]:
 def test_export_callback_refuses_a_users_folder_before_training(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "notes.txt").write_text("mine")
-    for rank in run_distributed(2, "tests.test_export:refuse_users_folder", str(tmp_path)):
+    for rank in run_distributed(2, "tests.io.test_export:refuse_users_folder", str(tmp_path)):
         assert "hf is a folder holding notes.txt, not an earlier hf-export" in rank["error"]
         assert rank["global_step"] == 0
     assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == ["notes.txt"]

@@ -51,7 +51,7 @@ def run_stalled_world() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def stalled() -> list[dict[str, Any]]:
-    return run_distributed(2, "tests.test_collectives:run_stalled_world", timeout=120)
+    return run_distributed(2, "tests.parallel.test_collectives:run_stalled_world", timeout=120)
 
 
 def test_stuck_collective_fails_in_time_and_names_the_group(stalled):

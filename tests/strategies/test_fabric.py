@@ -115,7 +115,7 @@ def run_world(directory: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict[str, Any]]:
-    return run_distributed(4, "tests.test_fabric:run_world", str(tmp_path_factory.mktemp("fabric")))
+    return run_distributed(4, "tests.strategies.test_fabric:run_world", str(tmp_path_factory.mktemp("fabric")))
 
 
 def test_fabric_loop_matches_the_trainer_and_the_reference(runs):

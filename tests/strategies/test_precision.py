@@ -127,7 +127,8 @@ class LinearOutputDtypes(Callback):
 @pytest.fixture(scope="module")
 def fp16(tmp_path_factory) -> list[dict[str, Any]]:
     """Every run of 4 processes: fp16 with a skipped step and a resume, bf16-true, bf16-mixed at 2 layouts."""
-    return run_distributed(4, "tests.test_precision:run_precision_world", str(tmp_path_factory.mktemp("fp16")))
+    return run_distributed(4, "tests.strategies.test_precision:run_precision_world",
+                           str(tmp_path_factory.mktemp("fp16")))
 
 
 def _mean_difference(losses: list[float], reference: list[float]) -> float:
@@ -243,7 +244,7 @@ def run_sixteen_true() -> list[str]:
 
 
 def test_sixteen_true_is_refused_with_the_alternatives():
-    (messages,) = run_distributed(1, "tests.test_precision:run_sixteen_true")
+    (messages,) = run_distributed(1, "tests.strategies.test_precision:run_sixteen_true")
     assert len(messages) == 2
     for message in messages:
         assert "precision='16-true' (fp16 weights, no loss scaling) is not supported" in message

@@ -147,7 +147,7 @@ def run_world() -> dict[str, Any]:
 def world_results() -> dict[str, Any]:
     results: dict[str, Any] = {}
     for world in SCENARIOS:
-        per_rank = run_distributed(world, "tests.test_strategy:run_world")
+        per_rank = run_distributed(world, "tests.strategies.test_trainer:run_world")
         results.update(per_rank[0])
     return results
 
