@@ -86,9 +86,13 @@ def model_config(*owners: nn.Module | None) -> Any | None:
 
 
 class ParallelCore:
-    """Layout, mesh and the parallel network of one run, from validated `ParallelOptions`."""
+    """Layout, mesh and the parallel network of one run, from validated `ParallelOptions` (given as the
+    object, or as its keyword arguments: `ParallelCore(tensor_parallel_size=2)`)."""
 
-    def __init__(self, options: ParallelOptions) -> None:
+    def __init__(self, options: ParallelOptions | None = None, **option_values: Any) -> None:
+        if options is not None and option_values:
+            raise TypeError("ParallelCore takes a ParallelOptions or its keyword arguments, not both.")
+        options = options if options is not None else ParallelOptions(**option_values)
         self.options = options
         self.data_parallel_mode = options.data_parallel_mode
         self.pretrained = options.pretrained
