@@ -79,7 +79,7 @@ def hf_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> 
 RUNS: dict[int, dict[str, dict[str, Any]]] = {
     8: {"llama-tp2-pp2-dp2-1f1b-replicate": dict(architecture="llama", tp=2, pp=2, mode="replicate",
                                                  export=True)},
-    4: {"llama-tp1-pp2-dp2-1f1b-fsdp": dict(architecture="llama", tp=1, pp=2, mode="fsdp"),
+    4: {"llama-tp1-pp2-dp2-1f1b-fsdp": dict(architecture="llama", tp=1, pp=2, mode="fsdp", save=True),
         "qwen2-tp2-pp2-dp1-1f1b-replicate": dict(architecture="qwen2", tp=2, pp=2, mode="replicate", export=True),
         "mistral-tp2-pp2-dp1-interleaved-fsdp": dict(architecture="mistral", tp=2, pp=2, mode="fsdp",
                                                      schedule="interleaved_1f1b"),
@@ -87,27 +87,36 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {
                                                                   mode="replicate", schedule="gpipe",
                                                                   from_pretrained=True)},
 }
+# The (1, 2, 2) FSDP run saves after STEPS steps; this run resumes it at (2, 1, 2) for RESUMED_STEPS more.
+RESUMED_STEPS = 3
+RESUME = {"resume": dict(architecture="llama", tp=2, pp=1, mode="replicate", resume=True)}
 CONFIGURATIONS = {name: configuration for runs in RUNS.values() for name, configuration in runs.items()}
 
 
 def _fit(directory: Path, name: str, architecture: str, tp: int, pp: int, mode: str, schedule: str = "1f1b",
-         export: bool = False, from_pretrained: bool = False) -> dict[str, Any]:
+         export: bool = False, from_pretrained: bool = False, save: bool = False, resume: bool = False
+         ) -> dict[str, Any]:
     dp = world_size() // (tp * pp)
     logger, capture = MemoryLogger(), CaptureGradients()
     consistency = ConsistencyCheck(directory / f"{name}-export") if export else None
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_schedule=schedule,
                             num_microbatches=2, data_parallel_mode=mode)
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger,
-                                         callbacks=[capture] + ([consistency] if export else []), max_steps=STEPS))
+                                         callbacks=[capture] + ([consistency] if export else []),
+                                         max_steps=STEPS + RESUMED_STEPS if resume else STEPS))
     module = HFModule(architecture, str(directory / "pretrained") if from_pretrained else None)
     trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
-                                        val_fraction=0.2))
+                                        val_fraction=0.2),
+                ckpt_path=str(directory / "hf.ckpt") if resume else None)
+    if save:
+        trainer.save_checkpoint(directory / "hf.ckpt")
     report = consistency.report.to_dict() if consistency is not None and consistency.report is not None else None
     return {"losses": logger.values("train_loss"), "first_grads": capture.first_grads, "consistency": report}
 
 
 def run_world(world: int, directory: str) -> dict[str, Any]:
-    return {name: _fit(Path(directory), name, **configuration) for name, configuration in RUNS[world].items()}
+    runs = RUNS[world] | (RESUME if world == 4 else {})
+    return {name: _fit(Path(directory), name, **configuration) for name, configuration in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +177,13 @@ def test_export_of_hf_model_loads_in_transformers_with_the_live_logits(world_res
     expected = dict(hf_network(architecture).named_parameters())
     assert {key: tuple(value.shape) for key, value in exported.named_parameters()} == {
         key: tuple(value.shape) for key, value in expected.items()}
+
+
+def test_hf_checkpoint_resumes_exactly_at_another_layout(world_results):
+    """Saved at (1, 2, 2) with FSDP after 5 steps, resumed at (2, 1, 2): the next steps' losses are the
+    uninterrupted single-process run's (model, optimizer state and data position restored)."""
+    reference = reference_run(STEPS + RESUMED_STEPS, GLOBAL_BATCH, build_network=lambda: hf_network("llama"),
+                              loss_of=hf_loss)
+    for rank, rank_result in enumerate(world_results["resume"]):
+        torch.testing.assert_close(torch.tensor(rank_result["losses"]), torch.tensor(reference["losses"][STEPS:]),
+                                   rtol=RTOL, atol=0.0, msg=lambda message, rank=rank: f"rank {rank}: {message}")
