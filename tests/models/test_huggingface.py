@@ -53,15 +53,24 @@ def hf_network(architecture: str) -> nn.Module:
 
 
 class HFModule(L.LightningModule):
-    """A LightningModule holding a Hugging Face model, written the Hugging Face way (built from its config,
-    or `from_pretrained` from a folder written by transformers)."""
+    """A LightningModule holding a Hugging Face model, written the Hugging Face way: built from its config,
+    `from_pretrained` from a folder written by transformers, or (`on_meta`) built on the meta device in
+    `configure_model` from the folder's config, for `TP3DStrategy(pretrained=folder)` to fill shard by shard."""
 
-    def __init__(self, architecture: str = "llama", pretrained: str | None = None) -> None:
+    def __init__(self, architecture: str = "llama", pretrained: str | None = None, on_meta: bool = False) -> None:
         super().__init__()
+        self.folder, self.on_meta = pretrained, on_meta
+        self.model = None
         if pretrained is None:
             self.model = hf_network(architecture)
-        else:
+        elif not on_meta:
             self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, attn_implementation="sdpa")
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            config = transformers.AutoConfig.from_pretrained(self.folder, attn_implementation="sdpa")
+            with torch.device("meta"):
+                self.model = transformers.AutoModelForCausalLM.from_config(config)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
@@ -85,7 +94,9 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {
                                                      schedule="interleaved_1f1b"),
         "llama-from-pretrained-tp1-pp2-dp2-gpipe-replicate": dict(architecture="llama", tp=1, pp=2,
                                                                   mode="replicate", schedule="gpipe",
-                                                                  from_pretrained=True)},
+                                                                  from_pretrained="transformers"),
+        "llama-meta-pretrained-option-tp2-pp2-dp1-1f1b-fsdp": dict(architecture="llama", tp=2, pp=2, mode="fsdp",
+                                                                   from_pretrained="shards")},
 }
 # The (1, 2, 2) FSDP run saves after STEPS steps; this run resumes it at (2, 1, 2) for RESUMED_STEPS more.
 RESUMED_STEPS = 3
@@ -94,17 +105,21 @@ CONFIGURATIONS = {name: configuration for runs in RUNS.values() for name, config
 
 
 def _fit(directory: Path, name: str, architecture: str, tp: int, pp: int, mode: str, schedule: str = "1f1b",
-         export: bool = False, from_pretrained: bool = False, save: bool = False, resume: bool = False
+         export: bool = False, from_pretrained: str | None = None, save: bool = False, resume: bool = False
          ) -> dict[str, Any]:
+    """`from_pretrained`: "transformers" (the module calls `from_pretrained`) or "shards" (the module builds
+    on the meta device and the strategy's `pretrained=` reads each rank's slices)."""
     dp = world_size() // (tp * pp)
     logger, capture = MemoryLogger(), CaptureGradients()
     consistency = ConsistencyCheck(directory / f"{name}-export") if export else None
+    folder = directory / "pretrained"
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_schedule=schedule,
-                            num_microbatches=2, data_parallel_mode=mode)
+                            num_microbatches=2, data_parallel_mode=mode,
+                            pretrained=folder if from_pretrained == "shards" else None)
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger,
                                          callbacks=[capture] + ([consistency] if export else []),
                                          max_steps=STEPS + RESUMED_STEPS if resume else STEPS))
-    module = HFModule(architecture, str(directory / "pretrained") if from_pretrained else None)
+    module = HFModule(architecture, str(folder) if from_pretrained else None, on_meta=from_pretrained == "shards")
     trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
                                         val_fraction=0.2),
                 ckpt_path=str(directory / "hf.ckpt") if resume else None)
