@@ -137,6 +137,7 @@ def reference_run(
     accumulate: int = 1,
     parameter_dtype: torch.dtype | None = None,
     scaler_inf_step: int | None = None,
+    loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Plain single-process PyTorch: the same network, data order and AdamW as the module, no Lightning.
 
@@ -149,12 +150,16 @@ def reference_run(
     (1-based) an inf written into one gradient makes the scaler skip the update and halve its scale.
 
     With `accumulate` = k, `last_batch_losses` holds what a run accumulating k batches per step logs: the
-    loss of the last k-th of each step's samples (its dp ranks' last batches), before the update."""
+    loss of the last k-th of each step's samples (its dp ranks' last batches), before the update.
+
+    `loss_of(model, input_ids, labels)` computes a batch's loss (default: `model(input_ids, labels=labels)`,
+    this package's contract; a Hugging Face model's is `model(input_ids=..., labels=input_ids).loss`)."""
+    loss_of = loss_of or (lambda network, input_ids, labels: network(input_ids, labels=labels))
     model = build_network()
     if parameter_dtype is not None:
         model = model.to(parameter_dtype)
     scaler = torch.amp.GradScaler("cpu", enabled=scaler_inf_step is not None)
-    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=global_batch_size, val_fraction=0.2)
+    data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=global_batch_size, val_fraction=0.2)
     data.setup()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
     losses, last_batch_losses, first_grads = [], [], None
@@ -165,11 +170,11 @@ def reference_run(
         labels = torch.stack([sample["labels"] for sample in samples])
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            loss = model(input_ids, labels=labels)
+            loss = loss_of(model, input_ids, labels)
             if accumulate > 1:
                 with torch.no_grad():
                     last = global_batch_size - global_batch_size // accumulate
-                    last_batch_losses.append(model(input_ids[last:], labels=labels[last:]).item())
+                    last_batch_losses.append(loss_of(model, input_ids[last:], labels[last:]).item())
         scaler.scale(loss).backward()
         if step + 1 == scaler_inf_step:
             next(model.parameters()).grad.view(-1)[0] = float("inf")

@@ -21,7 +21,8 @@ EXAMPLES = REPOSITORY / "examples"
 STEPS = 3
 OVERRIDES = ["--trainer.max_steps", str(STEPS), "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches",
              "0", "--data.init_args.seq_len", str(SEQ_LEN), "--data.init_args.batch_size", "4",
-             "--data.init_args.val_fraction", "0.2", "--model.init_args.learning_rate", str(LEARNING_RATE)]
+             "--data.init_args.val_fraction", "0.2", "--data.init_args.source", "tiny",
+             "--model.init_args.learning_rate", str(LEARNING_RATE)]
 
 
 def _fit(config: str, directory: Path) -> list[float]:
@@ -31,6 +32,7 @@ def _fit(config: str, directory: Path) -> list[float]:
                                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY),
                                                                               os.environ.get("PYTHONPATH")]))})
     assert process.returncode == 0, process.stderr[-4000:]
+    assert "step    1  loss " in process.stdout  # the example's PrintLosses callback
     (metrics,) = directory.glob("lightning_logs/version_*/metrics.csv")
     with open(metrics) as file:
         return [float(row["train_loss"]) for row in csv.DictReader(file) if row.get("train_loss")]

@@ -1,4 +1,9 @@
-"""Token data that needs no download: the embedded corpus, a user's text file or token array.
+"""Token data that needs no download: a named corpus, a user's text file or token array.
+
+Named corpora (`CORPORA`): `"python-docs"`, the default, is the Python documentation's topic pages that
+every CPython installation carries (`pydoc_data.topics`: 466 KB of English prose and code on CPython
+3.11, so a short run sees each window about once and its held-out loss measures learning, not
+memorisation); `"tiny"` is the 2.5 KB text shipped with the package, for fast tests.
 
 Text is tokenised at the byte level (token id = UTF-8 byte, vocabulary 256), which the `tiny`
 preset matches. Token arrays (`.npy`) carry ids of any tokenizer; they are read with
@@ -7,6 +12,8 @@ preset matches. Token arrays (`.npy`) carry ids of any tokenizer; they are read 
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -15,14 +22,42 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["TokenWindowDataset", "TokenDataModule", "default_corpus", "byte_tokens", "load_tokens"]
+__all__ = ["CORPORA", "DEFAULT_CORPUS", "TokenWindowDataset", "TokenDataModule", "byte_tokens", "corpus_text",
+           "default_corpus", "load_tokens"]
 
 BYTE_VOCAB_SIZE = 256
+DEFAULT_CORPUS = "python-docs"
+
+
+def _tiny_corpus() -> str:
+    """The small English text shipped with the package: repetitive enough that the loss visibly falls."""
+    return resources.files("lightning_tp3d.data").joinpath("corpus.txt").read_text(encoding="utf-8")
+
+
+def _python_docs_corpus() -> str:
+    """The topic pages of the Python documentation (`pydoc_data.topics`), in sorted topic order; the
+    shipped `tiny` text, with a warning, where the installation lacks them."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        warnings.warn("pydoc_data is not installed with this Python: using the 2.5 KB 'tiny' corpus instead.",
+                      stacklevel=3)
+        return _tiny_corpus()
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+CORPORA: dict[str, Callable[[], str]] = {"python-docs": _python_docs_corpus, "tiny": _tiny_corpus}
+
+
+def corpus_text(name: str) -> str:
+    if name not in CORPORA:
+        raise ValueError(f"corpus {name!r} is not one of {sorted(CORPORA)}.")
+    return CORPORA[name]()
 
 
 def default_corpus() -> str:
-    """The small English text shipped with the package: repetitive enough that the loss visibly falls."""
-    return resources.files("lightning_tp3d.data").joinpath("corpus.txt").read_text(encoding="utf-8")
+    """The text `TokenDataModule()` trains on (`DEFAULT_CORPUS`)."""
+    return corpus_text(DEFAULT_CORPUS)
 
 
 def byte_tokens(text: str) -> torch.Tensor:
@@ -73,7 +108,8 @@ class TokenDataModule(L.LightningDataModule):
     """Train/validation windows over one token stream; the last `val_fraction` of it is held out.
 
     Args:
-        source: `None` for the embedded corpus, or the path of a `.txt` / `.npy` file.
+        source: a named corpus (`"python-docs"`, the default, or `"tiny"`; see `CORPORA`), or the path of a
+            `.txt` / `.npy` file.
         seq_len: tokens per sample.
         batch_size: samples per data-parallel rank and step (Lightning's per-process batch size).
         val_fraction: share of the stream used for validation.
@@ -83,7 +119,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        source: str | None = None,
+        source: str | None = DEFAULT_CORPUS,
         seq_len: int = 64,
         batch_size: int = 4,
         val_fraction: float = 0.1,
@@ -101,10 +137,11 @@ class TokenDataModule(L.LightningDataModule):
         self.shuffle = shuffle
 
     def _tokens(self) -> torch.Tensor:
-        tokens = byte_tokens(default_corpus()) if self.source is None else load_tokens(self.source)
+        source = self.source or DEFAULT_CORPUS
+        tokens = byte_tokens(corpus_text(source)) if source in CORPORA else load_tokens(source)
         if self.vocab_size is not None and int(tokens.max()) >= self.vocab_size:
             raise ValueError(
-                f"token id {int(tokens.max())} in {self.source or 'the embedded corpus'} is not below the model's"
+                f"token id {int(tokens.max())} in {source} is not below the model's"
                 f" vocab_size={self.vocab_size}; use a model with a larger vocabulary or re-tokenise the data."
             )
         return tokens

@@ -159,10 +159,18 @@ def compare_models(reference: nn.Module, candidate: nn.Module, prompts: Sequence
                            tolerance)
 
 
-def model_from_checkpoint(checkpoint: str | Path) -> LlamaForCausalLM:
-    """The reference decoder with a checkpoint's whole weights (any layout), in this process."""
+def model_from_checkpoint(checkpoint: str | Path) -> nn.Module:
+    """The trained network with a checkpoint's whole weights (any layout), in this process: the
+    `transformers` model of its recorded Hugging Face config, or the reference decoder."""
     reader = ModelTensorReader(checkpoint)
-    model = LlamaForCausalLM(ModelConfig.from_dict(reader.meta.model_config or {}))
+    saved = reader.meta.model_config or {}
+    if "model_type" in saved:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        fields = {key: value for key, value in saved.items() if key != "model_type"}
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(saved["model_type"], **fields))
+    else:
+        model = LlamaForCausalLM(ModelConfig.from_dict(saved))
     prefix = reader.meta.network_prefix
     names = [prefix + name for name in model.state_dict()]
     state = {name.removeprefix(prefix): tensor for name, tensor in reader.load(names).items()}

@@ -20,13 +20,14 @@ from lightning_tp3d.io.folders import check_output_folder, replace_folder, stagi
 from lightning_tp3d.io.hf import SAFETENSORS_DTYPES, HFFolder, open_hf_folder, write_safetensors
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.ledger import deploy_problem
-from lightning_tp3d.plan.sharding import hf_tensor_names, split_dim
+from lightning_tp3d.plan.sharding import split_dim
 from lightning_tp3d.plan.units import parse_size
 
 __all__ = ["DEPLOY_SHARDS", "check_deploy_tp", "deploy_folder", "write_deploy_shards"]
 
 DEPLOY_SHARDS = "deploy-shards"  # the kind of folder this module writes (see `io.folders`)
-_KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_KV_PROJECTIONS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_proj.bias",
+                   "self_attn.v_proj.bias")
 _TORCH_DTYPES = {value: key for key, value in SAFETENSORS_DTYPES.items()}
 
 
@@ -57,8 +58,8 @@ def write_deploy_shards(hf_folder: str | Path, tensor_parallel_size: int, output
     check_output_folder(output, DEPLOY_SHARDS, overwrite)
     partial = staging_folder(output, DEPLOY_SHARDS)
     kv_replicated = tensor_parallel_size > config.num_key_value_heads
-    names = hf_tensor_names(config)
     with open_hf_folder(hf_folder) as hf:
+        names = list(hf.weight_map)  # every tensor of the export (a Qwen2's biases too), in file order
         dtype = hf.slice(names[0]).get_dtype()
         for rank in range(tensor_parallel_size):
             folder = partial / f"rank-{rank:02d}"

@@ -1,7 +1,9 @@
 """Train -> deploy: merged Hugging Face weights from a checkpoint of any layout.
 
 `export_checkpoint` writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` and vLLM
-load as is: `config.json` (`LlamaForCausalLM`) and `model.safetensors`, or numbered shards
+load as is: `config.json` (the trained model's own Hugging Face config when it was a `transformers`
+model, e.g. `Qwen2ForCausalLM` with its fields; `LlamaForCausalLM` for the reference decoder) and
+`model.safetensors`, or numbered shards
 `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`. It streams: the files and their
 headers are planned from the checkpoint's shapes, then each tensor is merged from the checkpoint's
 shards alone (`ModelTensorReader`), converted and written straight to its file (`io.hf.write_safetensors`),
@@ -25,13 +27,21 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lightning_tp3d.io.checkpoint_format import CheckpointError, ModelTensorReader
 from lightning_tp3d.io.deploy import DEPLOY_SHARDS, check_deploy_tp, deploy_folder, write_deploy_shards
 from lightning_tp3d.io.folders import check_output_folder, replace_folder, staging_folder
-from lightning_tp3d.io.hf import EXPORT_DTYPES, hf_config, load_hf_weights, open_hf_folder, write_safetensors
+from lightning_tp3d.io.hf import (
+    EXPORT_DTYPES,
+    hf_config,
+    hf_config_for,
+    load_hf_weights,
+    open_hf_folder,
+    write_safetensors,
+)
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.sharding import hf_tensor_names
 from lightning_tp3d.plan.sharding import split_dim as deploy_split_dim
@@ -91,32 +101,34 @@ def export_checkpoint(
     config = ModelConfig.from_dict(meta.model_config)
     if deploy_tp is not None:
         check_deploy_tp(config, deploy_tp)
-    names = hf_tensor_names(config)
+    required = hf_tensor_names(config)
     prefix = meta.network_prefix
     shapes = {name.removeprefix(prefix): tuple(shape) for name, (shape, _) in reader.shapes.items()
               if name.startswith(prefix)}
-    missing = [name for name in names if name not in shapes]
+    missing = [name for name in required if name not in shapes]
     if missing:
         raise CheckpointError(
             f"{checkpoint} lacks {len(missing)} tensor(s) of a Llama model with its config, e.g. {missing[0]!r};"
             " it was not saved from a network with Hugging Face Llama names."
         )
+    names = required + [name for name in shapes if name not in required]  # e.g. Qwen2's q/k/v biases
 
     def load(name: str) -> torch.Tensor:
         return reader.load([prefix + name])[prefix + name]
 
-    result = _write_hf_folder(output, config, [(name, shapes[name]) for name in names], load,
-                              EXPORT_DTYPES[dtype], parse_size(max_shard_size))
+    result = _write_hf_folder(output, hf_config_for(meta.model_config, EXPORT_DTYPES[dtype]),
+                              [(name, shapes[name]) for name in names], load, EXPORT_DTYPES[dtype],
+                              parse_size(max_shard_size))
     if deploy_tp is not None:
         deploy = write_deploy_shards(output, deploy_tp, max_shard_size=max_shard_size, overwrite=overwrite)
         result = ExportResult(result.folder, result.files, result.total_bytes, deploy)
     return result
 
 
-def _write_hf_folder(output: Path, config: ModelConfig, entries: list[tuple[str, tuple[int, ...]]],
+def _write_hf_folder(output: Path, config: dict[str, Any], entries: list[tuple[str, tuple[int, ...]]],
                      load: Callable[[str], torch.Tensor], dtype: torch.dtype, max_shard_bytes: int) -> ExportResult:
     partial = staging_folder(output, HF_EXPORT)
     files, total = write_safetensors(partial, entries, dtype, load, max_shard_bytes)
-    (partial / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2))
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
     replace_folder(partial, output)
     return ExportResult(output, files, total)

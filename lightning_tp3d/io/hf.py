@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor
 from lightning_tp3d.parallel.materialize import local_region
 from lightning_tp3d.plan.config import ModelConfig
 
-__all__ = ["EXPORT_DTYPES", "HFFolder", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "hf_config", "load_hf_weights",
+__all__ = ["EXPORT_DTYPES", "HFFolder", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "hf_config", "hf_config_for",
+           "load_hf_weights",
            "open_hf_folder", "write_safetensors"]
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,6 +57,18 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "torch_dtype": _TORCH_DTYPE_NAMES[dtype],
     }
 
+
+
+def hf_config_for(saved: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """`config.json` for a checkpoint's recorded model config: a `transformers` config (it has a
+    `model_type`) is written as it is, with the export's dtype; the reference decoder's shape becomes a
+    `LlamaForCausalLM` config (`hf_config`)."""
+    if "model_type" not in saved:
+        return hf_config(ModelConfig.from_dict(saved), dtype)
+    config = dict(saved)
+    for key in [key for key in ("torch_dtype", "dtype") if key in config] or ["torch_dtype"]:
+        config[key] = _TORCH_DTYPE_NAMES[dtype]
+    return config
 
 
 # ---------------------------------------------------------------------------------------------- write

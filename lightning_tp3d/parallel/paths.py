@@ -1,13 +1,14 @@
 """Dotted attribute paths inside a network (`"model.layers"`, `"self_attn.core_attention"`): the one walker
-the strategies, the pipeline split and recompute use."""
+the strategies, the pipeline split and recompute use; and `"package.module:name"` import paths of options."""
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any
 
 from torch import nn
 
-__all__ = ["find_attribute", "indexed_blocks", "resolve_attribute", "set_attribute"]
+__all__ = ["find_attribute", "import_object", "indexed_blocks", "resolve_attribute", "set_attribute"]
 
 
 def find_attribute(root: Any, path: str) -> Any | None:
@@ -46,3 +47,11 @@ def indexed_blocks(layers: nn.ModuleDict | nn.ModuleList) -> dict[int, nn.Module
         return {int(key) if key.isdigit() else position: block
                 for position, (key, block) in enumerate(layers.items())}
     return dict(enumerate(layers))
+
+
+def import_object(path: str, option: str) -> Any:
+    """The object at `"package.module:name"` (an option given by name, e.g. in a YAML file)."""
+    module_name, _, attribute = path.partition(":")
+    if not attribute:
+        raise ValueError(f"{option}={path!r} must look like 'package.module:name'.")
+    return getattr(import_module(module_name), attribute)

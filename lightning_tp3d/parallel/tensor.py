@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
-from importlib import import_module
 
 import torch
 from torch import nn
@@ -33,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_tp3d.parallel.materialize import retie, tied_parameter_groups
+from lightning_tp3d.parallel.paths import import_object
 from lightning_tp3d.plan.sharding import EMBEDDING, HEAD, LAYER_WEIGHTS
 
 __all__ = [
@@ -67,10 +67,7 @@ def resolve_tp_plan(plan: TensorParallelPlan | Callable[[], TensorParallelPlan] 
     if plan is None:
         return llama_tp_plan()
     if isinstance(plan, str):
-        module_name, _, attribute = plan.partition(":")
-        if not attribute:
-            raise ValueError(f"tp_plan={plan!r} must look like 'package.module:function_returning_a_plan'.")
-        plan = getattr(import_module(module_name), attribute)
+        plan = import_object(plan, "tp_plan")
     if callable(plan):
         plan = plan()
     if not isinstance(plan, Mapping) or not all(isinstance(style, ParallelStyle) for style in plan.values()):

@@ -69,8 +69,16 @@ _LAYER_PREFIX = "model.layers."
 
 def split_dim(name: str) -> int | None:
     """The dim along which tensor parallelism splits the tensor `name` (e.g.
-    `model.layers.3.self_attn.q_proj.weight`); None: replicated."""
-    module = name.removesuffix(".weight")
+    `model.layers.3.self_attn.q_proj.weight`); None: replicated. A bias (Qwen2's q/k/v) follows its
+    weight's output dimension: split along dim 0 when column parallel, replicated when row parallel."""
+    module, _, kind = name.rpartition(".")
+    dim = _module_split_dim(module)
+    if kind == "bias":
+        return 0 if dim == 0 else None
+    return dim
+
+
+def _module_split_dim(module: str) -> int | None:
     for weight in (EMBEDDING, FINAL_NORM, HEAD):
         if module == weight.module:
             return weight.dim

@@ -40,6 +40,7 @@ from lightning_tp3d.io.checkpoint import (
 )
 from lightning_tp3d.io.hf import load_hf_weights
 from lightning_tp3d.io.random_state import restore_rng_state
+from lightning_tp3d.models.huggingface import HuggingFaceStages, is_huggingface_causal_lm
 from lightning_tp3d.models.llama import causal_lm_loss
 from lightning_tp3d.parallel.data import all_reduce_gradients, apply_fsdp
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
@@ -50,7 +51,7 @@ from lightning_tp3d.parallel.pipeline import (
     GradientHandOver,
     PipelinePlan,
     PipelineRunner,
-    StageModule,
+    PipelineStages,
     install_pipelined_forward,
     plan_pipeline,
     split_network,
@@ -168,10 +169,12 @@ class ParallelCore:
         layout, options = self.layout, self.options
         if layout.tensor_parallel_size > 1:
             check_plan_matches(network, self._tp_plan)
-        stage_modules: list[StageModule] = []
+        stage_modules: list[nn.Module] = []
         pipeline_plan = None
+        stages = options.pipeline_stages or (HuggingFaceStages() if is_huggingface_causal_lm(network)
+                                             else PipelineStages())
         if layout.pipeline_parallel_size > 1:
-            pipeline_plan, stage_modules = self._split_pipeline(network, config)
+            pipeline_plan, stage_modules = self._split_pipeline(network, config, stages)
         elif config is not None:
             layout.validate_model(config)
         if layout.tensor_parallel_size > 1:
@@ -187,10 +190,10 @@ class ParallelCore:
             apply_fsdp(stage_modules or [network], self.mesh["dp"], indexed_blocks(self._layers(network)).values(),
                        reshard_after_forward=pipeline_plan is None)
         if pipeline_plan is not None:
-            loss_fn = getattr(network, "loss_function", causal_lm_loss)
+            loss_fn = stages.loss_function(network) or causal_lm_loss
             self.pipeline = PipelineRunner(stage_modules, pipeline_plan, layout.num_microbatches, loss_fn,
                                            self.group("pp"), device)
-            self._handover = install_pipelined_forward(network, self.pipeline, loss_scale)
+            self._handover = install_pipelined_forward(network, self.pipeline, loss_scale, stages)
         materialize_network(network, device)
         self._parallelized = network
         return True
@@ -199,7 +202,8 @@ class ParallelCore:
         if self.pretrained is not None:
             load_hf_weights(network, self.pretrained)
 
-    def _split_pipeline(self, network: nn.Module, config: Any | None) -> tuple[PipelinePlan, list[StageModule]]:
+    def _split_pipeline(self, network: nn.Module, config: Any | None,
+                        stages: PipelineStages) -> tuple[PipelinePlan, list[nn.Module]]:
         layout, options = self.layout, self.options
         if config is not None and getattr(config, "tie_word_embeddings", False):
             raise LayoutError(
@@ -214,8 +218,9 @@ class ParallelCore:
         )
         if config is not None:
             layout.validate_model(config, plan.num_stages)
-        return plan, split_network(network, plan, options.layers_attribute, options.pipeline_first_modules,
-                                   options.pipeline_last_modules)
+        pieces = split_network(network, plan, options.layers_attribute, options.pipeline_first_modules,
+                               options.pipeline_last_modules)
+        return plan, [stages.stage_module(network, first, blocks, last) for first, blocks, last in pieces]
 
     # ------------------------------------------------------------------ step
     def take_pipeline_gradients(self) -> None:
@@ -254,14 +259,19 @@ class ParallelCore:
                                               for optimizer in optimizers]
 
     def checkpoint_meta(self, world_size: int, global_step: int, epoch: int, network_prefix: str,
-                        config: Any | None) -> CheckpointMeta:
+                        network: nn.Module) -> CheckpointMeta:
+        """What `meta.json` records, with the network's config (a `transformers` config records its
+        architecture, so that an export writes the model's own `config.json`)."""
         position = self.sample_position
+        config = model_config(network)
+        record = config.to_dict() if hasattr(config, "to_dict") else None
+        if record is not None and "model_type" in record and not record.get("architectures"):
+            record["architectures"] = [type(network).__name__]
         return CheckpointMeta(
             layout=self.layout.to_dict(), world_size=world_size, global_step=global_step, epoch=epoch,
             consumed_samples=position.consumed,
             consumed_samples_in_epoch=position.consumed_in_epoch if position.epoch == epoch else 0,
-            network_prefix=network_prefix, data_parallel_mode=self.data_parallel_mode,
-            model_config=config.to_dict() if hasattr(config, "to_dict") else None,
+            network_prefix=network_prefix, data_parallel_mode=self.data_parallel_mode, model_config=record,
         )
 
     @staticmethod

@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.core import ParallelCore, model_config
@@ -90,6 +91,7 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         layers_attribute: str = "model.layers",
         pipeline_first_modules: Sequence[str] = ("model.embed_tokens",),
         pipeline_last_modules: Sequence[str] = ("model.norm", "lm_head"),
+        pipeline_stages: PipelineStages | str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         recompute: Literal["none", "full", "selective"] = "none",
@@ -171,8 +173,7 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         rest = {key: value for key, value in state.items() if key != model_key and key not in optimizers}
         rest[_KEYS] = {"model": model_key, "optimizers": list(optimizers)}
         step = state.get("step", 0)
-        meta = self.core.checkpoint_meta(self.world_size, step if isinstance(step, int) else 0, 0, "",
-                                         model_config(module))
+        meta = self.core.checkpoint_meta(self.world_size, step if isinstance(step, int) else 0, 0, "", module)
         self.core.save(path, *self.core.states_of(module, list(optimizers.values())), rest, meta)
 
     @override

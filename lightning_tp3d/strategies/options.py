@@ -17,7 +17,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_tp3d.parallel.data import DATA_PARALLEL_MODES
-from lightning_tp3d.parallel.pipeline import stages_per_rank_of
+from lightning_tp3d.parallel.paths import import_object
+from lightning_tp3d.parallel.pipeline import PipelineStages, stages_per_rank_of
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET, check_recompute_options
 
@@ -29,7 +30,8 @@ TensorParallelPlanOption = Mapping[str, ParallelStyle] | Callable[[], Mapping[st
 @dataclass(frozen=True)
 class ParallelOptions:
     """See `TP3DStrategy` for the meaning of each option. `num_microbatches=None` becomes
-    `pipeline_parallel_size`; sequences become tuples and `pretrained` a `Path`."""
+    `pipeline_parallel_size`; sequences become tuples, `pretrained` a `Path` and a `pipeline_stages` import
+    path the instance (a class is instantiated)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -43,6 +45,7 @@ class ParallelOptions:
     layers_attribute: str = "model.layers"
     pipeline_first_modules: Sequence[str] = ("model.embed_tokens",)
     pipeline_last_modules: Sequence[str] = ("model.norm", "lm_head")
+    pipeline_stages: PipelineStages | str | None = None
     recompute: str = "none"
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
@@ -57,6 +60,7 @@ class ParallelOptions:
             "pipeline_first_modules": tuple(self.pipeline_first_modules),
             "pipeline_last_modules": tuple(self.pipeline_last_modules),
             "pretrained": Path(self.pretrained) if self.pretrained is not None else None,
+            "pipeline_stages": _resolve_stages(self.pipeline_stages),
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
@@ -97,3 +101,15 @@ class ParallelOptions:
     def sizes(self) -> tuple[int, int, int | str]:
         """(tp, pp, dp) as given; dp may still be `"auto"`."""
         return self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size
+
+
+def _resolve_stages(stages: PipelineStages | str | type | None) -> PipelineStages | None:
+    if isinstance(stages, str):
+        stages = import_object(stages, "pipeline_stages")
+    if isinstance(stages, type):
+        stages = stages()
+    if stages is not None and not isinstance(stages, PipelineStages):
+        raise TypeError(
+            f"pipeline_stages must be a lightning_tp3d.parallel.pipeline.PipelineStages, got {type(stages).__name__}."
+        )
+    return stages

@@ -44,6 +44,7 @@ from typing_extensions import override
 from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosition
 from lightning_tp3d.io.checkpoint import PendingSave
 from lightning_tp3d.parallel.paths import resolve_attribute
+from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config
@@ -79,6 +80,10 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         layers_attribute: attribute of that network holding its transformer blocks (FSDP units, stages).
         pipeline_first_modules / pipeline_last_modules: modules of the network run before the blocks on
             the first stage / after them on the last stage; a stage computes first -> blocks -> last.
+        pipeline_stages: how a stage computes from its modules (`PipelineStages`, or its import path
+            `"package.module:Class"`), for blocks that take more than the hidden states; default: Hugging
+            Face causal LMs run their own rotary tables, masks and loss (`models.huggingface`), other
+            networks call first -> blocks -> last with the previous output.
         process_group_backend: `"gloo"` / `"nccl"`; default from the device (gloo on CPU, nccl on CUDA).
         timeout: timeout of every collective, on the default group and on each mesh dimension's groups; a
             collective that does not complete in time raises `CollectiveTimeoutError` naming the group
@@ -114,6 +119,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         layers_attribute: str = "model.layers",
         pipeline_first_modules: Sequence[str] = ("model.embed_tokens",),
         pipeline_last_modules: Sequence[str] = ("model.norm", "lm_head"),
+        pipeline_stages: PipelineStages | str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         async_checkpoint: bool = False,
@@ -295,7 +301,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self.finish_pending_save()
         model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         meta = self.core.checkpoint_meta(self.world_size, checkpoint.get("global_step", 0), checkpoint.get("epoch", 0),
-                                         self._model_attribute + ".", model_config(self.network))
+                                         self._model_attribute + ".", self.network)
         # Only inside a running fit, whose teardown finishes the save; a save after fit is synchronous.
         trainer_state = self.lightning_module.trainer.state
         asynchronous = (self._async_checkpoint and trainer_state.fn == TrainerFn.FITTING

@@ -36,7 +36,7 @@ def run_world() -> dict[str, Any]:
                                              callbacks=[TP3DThroughputMonitor(window_size=2,
                                                                               available_flops=PEAK_FLOPS)], **clip))
         trainer.fit(CausalLMModule("tiny", learning_rate=LEARNING_RATE),
-                    TokenDataModule(seq_len=SEQ_LEN, batch_size=PER_RANK_BATCH, val_fraction=0.2))
+                    TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=PER_RANK_BATCH, val_fraction=0.2))
         results[f"tp{tp}-pp{pp}"] = logger.records
     return results
 

@@ -1,4 +1,4 @@
-"""Embedded corpus, user text and token arrays."""
+"""Named corpora (the Python docs, the shipped tiny text), user text and token arrays."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_tp3d.data import TokenDataModule, TokenWindowDataset, default_corpus, load_tokens
+from lightning_tp3d.data import (
+    CORPORA,
+    DEFAULT_CORPUS,
+    TokenDataModule,
+    TokenWindowDataset,
+    corpus_text,
+    default_corpus,
+    load_tokens,
+)
 
 
 def test_windows_are_shifted_next_token_pairs():
@@ -16,9 +24,8 @@ def test_windows_are_shifted_next_token_pairs():
 
 
 def test_embedded_corpus_needs_no_download():
-    data = TokenDataModule(seq_len=32, batch_size=4)
+    data = TokenDataModule(source="tiny", seq_len=32, batch_size=4)
     data.setup()
-    assert len(default_corpus()) > 2000
     batch = next(iter(data.train_dataloader()))
     assert batch["input_ids"].shape == (4, 32) and int(batch["input_ids"].max()) < 256
 
@@ -47,3 +54,15 @@ def test_bad_data_is_refused_clearly(tmp_path):
         load_tokens(floats)
     with pytest.raises(ValueError, match="fewer than one window"):
         TokenWindowDataset(torch.arange(4), seq_len=8)
+
+
+def test_named_corpora_and_the_default_is_real_size():
+    assert DEFAULT_CORPUS == "python-docs" and set(CORPORA) == {"python-docs", "tiny"}
+    assert len(corpus_text("python-docs").encode()) > 400_000  # the Python docs' topics, not 2.5 KB
+    assert default_corpus() == corpus_text("python-docs")
+    data = TokenDataModule(seq_len=64, batch_size=4)
+    data.setup()
+    assert len(data.train_dataset) > 6_000 and len(data.val_dataset) > 600
+    assert 2000 < len(corpus_text("tiny")) < 3000
+    with pytest.raises(ValueError, match=r"corpus 'wiki' is not one of \['python-docs', 'tiny'\]"):
+        corpus_text("wiki")

@@ -33,7 +33,7 @@ def run_doctor_world() -> dict[str, Any]:
         outputs["json" if flag else "table"] = (code, stdout.getvalue())
     strategy = TP3DStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, preflight=True)
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, max_steps=1))
-    trainer.fit(CausalLMModule("tiny"), TokenDataModule(seq_len=SEQ_LEN, batch_size=4))
+    trainer.fit(CausalLMModule("tiny"), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=4))
     outputs["preflight"] = [(row.dimension, row.bytes) for row in strategy.preflight_report.measurements]
     return outputs
 

@@ -81,7 +81,7 @@ def _fit(tp: int, pp: int, directory: Path, steps: int = STEPS, ckpt_path: Path 
         devices=world_size(), strategy=strategy, max_steps=steps, logger=logger, default_root_dir=directory,
         callbacks=[recorder, *(callbacks or [])], enable_checkpointing=bool(callbacks), **trainer_options))
     module = CausalLMModule(config or "tiny", learning_rate=LEARNING_RATE, warmup_steps=6 if config else 0)
-    trainer.fit(module, TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2),
+    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2),
                 ckpt_path=ckpt_path)
     return {"losses": logger.values("train_loss"), "batches": recorder.batches,
             "dp_rank": strategy.layout.coordinates(trainer.global_rank).dp, "weights": named_full(module)}
@@ -151,7 +151,7 @@ def crash_during_second_save(directory: str) -> None:
     last = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=0, save_last=True)
     L.Trainer(**trainer_kwargs(devices=1, strategy=TP3DStrategy(), max_steps=3, enable_checkpointing=True,
                                callbacks=[KeepWeights(), last], logger=False)).fit(
-        CausalLMModule("tiny"), TokenDataModule(seq_len=SEQ_LEN, batch_size=4))
+        CausalLMModule("tiny"), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=4))
 
 
 def crash_between_renames(directory: str) -> None:
@@ -257,7 +257,7 @@ def _steps_samples(run: list[dict], steps: range) -> list[list[list[int]]]:
 
 
 def _reference_samples(steps: range) -> list[list[list[int]]]:
-    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
+    data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
     data.setup()
     order = _training_sample_order(len(data.train_dataset))
     return [sorted(data.train_dataset[int(i)]["input_ids"].tolist()

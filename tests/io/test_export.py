@@ -65,7 +65,7 @@ def run_export_world(directory: str) -> dict[str, Any]:
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, max_steps=3,
                                          enable_checkpointing=True, callbacks=[export, check, every_step]))
     module = CausalLMModule("tiny", learning_rate=LEARNING_RATE)
-    trainer.fit(module, TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // 2))
+    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // 2))
     trainer.save_checkpoint(directory / "final.ckpt")
     module.model.eval()
     with torch.no_grad():
@@ -76,7 +76,7 @@ def run_export_world(directory: str) -> dict[str, Any]:
 def run_import_world(directory: str) -> dict[str, Any]:
     """(2, 2, 1): validate a transformers-written folder (then save it), and train one step from it."""
     directory = Path(directory)
-    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
+    data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
 
     def strategy() -> TP3DStrategy:
         return TP3DStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2,
@@ -115,7 +115,7 @@ def _fabric_pretrained_loss(directory: Path, config: ModelConfig) -> float:
 def _first_training_batch() -> tuple[torch.Tensor, torch.Tensor]:
     from tests.helpers import _training_sample_order
 
-    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
+    data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
     data.setup()
     order = _training_sample_order(len(data.train_dataset))[:GLOBAL_BATCH]
     batch = [data.train_dataset[int(index)] for index in order]
@@ -240,7 +240,7 @@ def refuse_users_folder(directory: str) -> dict[str, Any]:
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=TP3DStrategy(), max_steps=1,
                                          callbacks=[ExportCallback(Path(directory) / "hf")]))
     try:
-        trainer.fit(CausalLMModule("tiny"), TokenDataModule(seq_len=SEQ_LEN, batch_size=2))
+        trainer.fit(CausalLMModule("tiny"), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=2))
     except FileExistsError as error:
         return {"error": str(error), "global_step": trainer.global_step}
     return {"error": None, "global_step": trainer.global_step}

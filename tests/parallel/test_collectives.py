@@ -43,7 +43,7 @@ def run_stalled_world() -> dict[str, Any]:
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, max_steps=3))
     started = time.monotonic()
     try:
-        trainer.fit(StallingModule("tiny"), TokenDataModule(seq_len=SEQ_LEN, batch_size=4))
+        trainer.fit(StallingModule("tiny"), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=4))
     except Exception as error:  # noqa: BLE001 - the error is the result
         return {"type": type(error).__name__, "message": str(error), "seconds": time.monotonic() - started}
     return {"type": None, "message": "", "seconds": time.monotonic() - started}

@@ -83,7 +83,7 @@ def _fit(tp: int, mode: str, pp: int = 2, schedule: str = "1f1b", microbatches: 
                                          limit_val_batches=None, val_check_interval=STEPS * accumulate,
                                          check_val_every_n_epoch=None))
     module = CausalLMModule(model, learning_rate=LEARNING_RATE)
-    trainer.fit(module, TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp // accumulate,
+    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp // accumulate,
                                         val_fraction=0.2))
     return {"losses": logger.values("train_loss"), "val_loss": logger.values("val_loss"),
             "first_grads": capture.first_grads}
@@ -108,7 +108,7 @@ def _test_and_predict(tp: int, schedule: str, mode: str) -> dict[str, Any]:
                                 num_microbatches=2, data_parallel_mode=mode)
         return L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=False))
 
-    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=EVALUATION_BATCH, val_fraction=0.2)
+    data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=EVALUATION_BATCH, val_fraction=0.2)
     (tested,) = trainer().test(CausalLMModule("tiny", learning_rate=LEARNING_RATE), data, verbose=False)
     predictions = trainer().predict(PredictWithInputs("tiny", learning_rate=LEARNING_RATE), data)
     return {"test_loss": tested["test_loss"], "predictions": predictions}
@@ -178,7 +178,7 @@ def test_losses_and_every_rank_gradients_match_single_process(world_results, nam
 @pytest.mark.parametrize("world", list(EVALUATIONS))
 def test_test_and_predict_through_the_pipeline_match_single_process(world_results, world):
     network = _built(CausalLMModule("tiny", learning_rate=LEARNING_RATE))
-    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=EVALUATION_BATCH, val_fraction=0.2)
+    data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=EVALUATION_BATCH, val_fraction=0.2)
     data.setup()
     expected_loss = reference_validation_loss(network, data, batch_size=EVALUATION_BATCH, dp=2)
     network.eval()

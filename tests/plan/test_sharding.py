@@ -42,3 +42,10 @@ def test_layer_parameters_per_rank_is_the_shards_numel(tp: int) -> None:
                    for name, p in block.items())
     assert layer_parameters_per_rank(CONFIG, tp) == expected
     assert layer_parameters_per_rank(MODEL_PRESETS["deepseek-llm-7b"], 1) == 202_383_360
+
+
+def test_biases_follow_their_weights_split():
+    assert split_dim("model.layers.0.self_attn.q_proj.bias") == 0  # Qwen2: column parallel, split with the rows
+    assert split_dim("model.layers.0.self_attn.v_proj.bias") == 0
+    assert split_dim("model.layers.0.self_attn.o_proj.bias") is None  # row parallel: added once, replicated
+    assert split_dim("model.layers.0.mlp.down_proj.weight") == 1

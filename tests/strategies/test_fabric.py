@@ -42,7 +42,7 @@ def _fabric_losses(directory: Path, load: bool) -> list[float]:
     model = fabric.setup(reference_network())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95),
                                                           weight_decay=0.0))
-    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
+    data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
     data.setup()
     loader = fabric.setup_dataloaders(DataLoader(data.train_dataset, batch_size=GLOBAL_BATCH, shuffle=True))
     state = {"model": model, "optimizer": optimizer, "step": 0}
@@ -81,7 +81,7 @@ def _fabric_accumulating(steps: int = 3) -> dict[str, Any]:
     all_reduces = []
     all_reduce = strategy.core.all_reduce_gradients
     strategy.core.all_reduce_gradients = lambda parameters: all_reduces.append(1) or all_reduce(parameters)
-    data = TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
+    data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2)
     data.setup()
     batch_size = GLOBAL_BATCH // 2 // ACCUMULATE
     loader = fabric.setup_dataloaders(DataLoader(data.train_dataset, batch_size=batch_size, shuffle=True))
@@ -108,7 +108,7 @@ def run_world(directory: str) -> dict[str, Any]:
     L.Trainer(**trainer_kwargs(devices=4, strategy=strategy, max_steps=STEPS, logger=logger,
                                gradient_clip_val=CLIP)).fit(
         CausalLMModule("tiny", learning_rate=LEARNING_RATE),
-        TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2))
+        TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH, val_fraction=0.2))
     return {"trainer": logger.values("train_loss"), "fabric": _fabric_losses(directory, load=False),
             "resumed": _fabric_losses(directory, load=True), "accumulating": _fabric_accumulating()}
 

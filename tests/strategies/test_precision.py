@@ -90,7 +90,7 @@ def _fit(tp: int, pp: int, steps: int, precision: Any, callbacks: list[Callback]
         strategy=TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
                               pipeline_schedule=schedule, data_parallel_mode=mode), **options))
     trainer.fit(CausalLMModule("tiny", learning_rate=LEARNING_RATE),
-                TokenDataModule(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2), ckpt_path=ckpt_path)
+                TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2), ckpt_path=ckpt_path)
     return logger.values("train_loss")
 
 
@@ -231,7 +231,7 @@ def run_sixteen_true() -> list[str]:
     messages = []
     trainer = L.Trainer(**trainer_kwargs(devices=1, max_steps=1, precision="16-true", strategy=TP3DStrategy()))
     try:
-        trainer.fit(CausalLMModule("tiny"), TokenDataModule(seq_len=SEQ_LEN, batch_size=2))
+        trainer.fit(CausalLMModule("tiny"), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=2))
     except ValueError as error:
         messages.append(str(error))
     fabric = L.Fabric(accelerator="cpu", devices=1, precision="16-true", strategy=TP3DFabricStrategy())

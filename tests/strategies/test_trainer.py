@@ -130,7 +130,7 @@ def _fit(name: str, tp: int, mode: str, batch: int, accumulate: int = 1, clip: f
     trainer = L.Trainer(**trainer_kwargs(devices=world, strategy=strategy, logger=logger, callbacks=[capture],
                                          **extra))
     assert trainer.strategy.layout.tensor_parallel_size == tp
-    trainer.fit(module, TokenDataModule(seq_len=SEQ_LEN, batch_size=batch, val_fraction=0.2))
+    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=batch, val_fraction=0.2))
     return {"losses": logger.values("train_loss"), "val_loss": logger.values("val_loss"),
             "first_grads": capture.first_grads, "final_params": capture.final_params,
             "mesh_shape": tuple(module.device_mesh.shape), "misplaced_gradients": capture.misplaced_gradients,
@@ -237,7 +237,7 @@ def test_strategy_argument_errors():
         TP3DStrategy(data_parallel_mode="zero")
     with pytest.raises(LayoutError, match=r"tensor_parallel_size must be a positive integer, got 0"):
         TP3DStrategy(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match=r"tp_plan='no_colon' must look like 'package.module:function"):
+    with pytest.raises(ValueError, match=r"tp_plan='no_colon' must look like 'package.module:name'"):
         TP3DStrategy(tp_plan="no_colon")
 
 

@@ -14,12 +14,14 @@ over as they are.)
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_tp3d.parallel.pipeline.runner import PipelineRunner
+from lightning_tp3d.parallel.pipeline.stages import PipelineStages
 
 __all__ = ["GradientHandOver", "install_pipelined_forward"]
 
@@ -58,16 +60,21 @@ class GradientHandOver:
 
 
 def install_pipelined_forward(network: nn.Module, runner: PipelineRunner,
-                              loss_scale: Callable[[], torch.Tensor | float]) -> GradientHandOver:
+                              loss_scale: Callable[[], torch.Tensor | float],
+                              stages: PipelineStages) -> GradientHandOver:
     """Route `network(input_ids, labels=...)` through `runner` (the LightningModule contract): a training
-    call (grad enabled, labels given, `network.training`) runs forward and backward through the schedule
-    with the loss multiplied by `loss_scale()` (fp16 scale / accumulation); other calls run forward only
-    and return the loss or, without labels, the logits."""
+    call (grad enabled and labels given, whatever the modules' train/eval mode: a `from_pretrained` model
+    is in eval mode) runs forward and backward through the schedule
+    with the loss multiplied by `loss_scale()` (fp16 scale / accumulation); other calls run forward only.
+    `stages` checks the call's arguments and shapes what it returns (the loss, or without labels the
+    logits; a Hugging Face output object for Hugging Face models)."""
     handover = GradientHandOver()
 
-    def pipelined_forward(input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if not (network.training and torch.is_grad_enabled() and labels is not None):
-            return runner(input_ids, labels, train=False)
+    def pipelined_forward(*args: Any, **kwargs: Any) -> Any:
+        input_ids, labels = stages.call_arguments(*args, **kwargs)
+        if not (torch.is_grad_enabled() and labels is not None):
+            result = runner(input_ids, labels, train=False)
+            return stages.output(network, result, None) if labels is not None else stages.output(network, None, result)
         runner.loss_scale = loss_scale()
         parameters = list(network.parameters())
         previous = [parameter.grad for parameter in parameters]
@@ -77,7 +84,7 @@ def install_pipelined_forward(network: nn.Module, runner: PipelineRunner,
         handover.keep(parameters)
         for parameter, grad in zip(parameters, previous):
             parameter.grad = grad
-        return handover.loss_with_anchor(loss, runner.loss_scale)
+        return stages.output(network, handover.loss_with_anchor(loss, runner.loss_scale), None)
 
     network.forward = pipelined_forward
     return handover

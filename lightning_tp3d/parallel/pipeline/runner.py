@@ -11,12 +11,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from lightning_tp3d.parallel.pipeline.schedules import PIPELINE_SCHEDULES, PipelinePlan
-from lightning_tp3d.parallel.pipeline.split import StageModule
 from lightning_tp3d.parallel.timing import DeviceInterval
 
 __all__ = ["PipelineRunner", "StageTiming"]
@@ -91,7 +91,7 @@ class PipelineRunner:
     """
 
     def __init__(
-        self, stage_modules: Sequence[StageModule], plan: PipelinePlan, num_microbatches: int,
+        self, stage_modules: Sequence[nn.Module], plan: PipelinePlan, num_microbatches: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], pp_group: dist.ProcessGroup,
         device: torch.device,
     ) -> None:

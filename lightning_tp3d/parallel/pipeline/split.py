@@ -51,19 +51,22 @@ class StageModule(nn.Module):
 
 
 def split_network(network: nn.Module, plan: PipelinePlan, layers_attribute: str, first_modules: Sequence[str],
-                  last_modules: Sequence[str]) -> list[StageModule]:
-    """Prune `network` to this rank's stages and return one `StageModule` per stage, in `plan` order."""
+                  last_modules: Sequence[str]) -> list[tuple[list[nn.Module], dict[int, nn.Module], list[nn.Module]]]:
+    """Prune `network` to this rank's stages; return each stage's (first modules, blocks by global index,
+    last modules), in `plan` order. Blocks held in an `nn.ModuleList` are first moved into an
+    `nn.ModuleDict` keyed by global index (same parameter names), so pruning keeps every name."""
     layers = resolve_attribute(network, layers_attribute, "layers_attribute")
+    if isinstance(layers, nn.ModuleList):
+        layers = nn.ModuleDict({str(index): block for index, block in enumerate(layers)})
+        set_attribute(network, layers_attribute, layers)
     if not isinstance(layers, nn.ModuleDict):
         raise TypeError(
-            f"pipeline parallelism needs the blocks in an nn.ModuleDict keyed by global layer index, but"
-            f" {layers_attribute} is a {type(layers).__name__}; see docs/concepts.md."
+            f"pipeline parallelism needs the blocks in an nn.ModuleList or an nn.ModuleDict keyed by global layer"
+            f" index, but {layers_attribute} is a {type(layers).__name__}; see docs/concepts.md."
         )
     first = [resolve_attribute(network, path, "pipeline_first_modules entry") for path in first_modules]
     last = [resolve_attribute(network, path, "pipeline_last_modules entry") for path in last_modules]
     prune_to_stages(network, plan, layers, first_modules, last_modules)
-    stages = []
-    for index, layer_range in zip(plan.stage_indices, plan.layer_ranges):
-        parts = (first if index == 0 else []) + [layers[str(layer)] for layer in layer_range]
-        stages.append(StageModule(parts + (last if index == plan.num_stages - 1 else [])))
-    return stages
+    return [(first if index == 0 else [], {layer: layers[str(layer)] for layer in layer_range},
+             last if index == plan.num_stages - 1 else [])
+            for index, layer_range in zip(plan.stage_indices, plan.layer_ranges)]

@@ -1,0 +1,103 @@
+"""Hugging Face causal LMs (`transformers` Llama, Mistral, Qwen2, ... written the usual way) as pipeline
+stages, with their own rotary embeddings, causal masks and loss.
+
+A Hugging Face `XForCausalLM` holds `model` (embedding `model.embed_tokens`, blocks `model.layers`,
+final norm `model.norm`, rotary table `model.rotary_emb`) and the head `lm_head`; its blocks need the
+rotary (cos, sin) tables and the attention mask that `model.forward` computes once, and its loss shifts
+the labels inside (labels = input_ids). A stage therefore runs the model's own `model.forward` over the
+stage's blocks only: with `input_ids` on stage 0 (the embedding), with `inputs_embeds` = the received
+hidden states after; the rotary tables and the mask (causal, or sliding-window for Mistral) are computed
+by that forward from the stage input's shape, identically on every stage; the final norm runs only on the
+last stage, which then applies `lm_head`. The loss is the model's `loss_function` (shift inside, mean over
+the micro-batch's tokens), and `network(input_ids=..., labels=...)` returns a `CausalLMOutputWithPast`
+whose `.loss` is the batch loss (logits are only returned by calls without labels).
+
+Attention masks with padding are refused under pipelining (every micro-batch must be full causal
+sequences); per-layer attention types (Qwen2's sliding-window layers) are refused when they differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_tp3d.parallel.pipeline.stages import PipelineStages, StageLoss
+
+__all__ = ["HuggingFaceStages", "is_huggingface_causal_lm"]
+
+
+def is_huggingface_causal_lm(network: nn.Module) -> bool:
+    """A `transformers` model of the `XForCausalLM` shape (decoder under `model`, head `lm_head`)."""
+    return (type(network).__module__.startswith("transformers.") and hasattr(network, "lm_head")
+            and hasattr(getattr(network, "model", None), "rotary_emb"))
+
+
+class _HuggingFaceStage(nn.Module):
+    """One stage over the decoder's own forward (see the module docstring). The decoder itself is not a
+    child (a stage owns only its blocks, embedding, final norm and head): it is borrowed for each call,
+    its `layers` (and `norm` before the last stage) swapped for this stage's."""
+
+    def __init__(self, decoder: nn.Module, blocks: Sequence[nn.Module], first: bool, last: bool,
+                 head: nn.Module | None) -> None:
+        super().__init__()
+        self.__dict__["_decoder"] = decoder
+        self.blocks = nn.ModuleList(blocks)
+        self.first, self.last = first, last
+        self.embed_tokens = decoder.embed_tokens if first else None
+        self.norm = decoder.norm if last else None
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        decoder = self._decoder
+        layers, norm = decoder.layers, decoder.norm
+        decoder.layers, decoder.norm = self.blocks, self.norm if self.last else nn.Identity()
+        try:
+            inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+            hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        finally:
+            decoder.layers, decoder.norm = layers, norm
+        return self.head(hidden) if self.last else hidden
+
+
+class HuggingFaceStages(PipelineStages):
+    """`PipelineStages` for Hugging Face causal LMs (selected automatically for them)."""
+
+    def stage_module(self, network: nn.Module, first: Sequence[nn.Module], blocks: Mapping[int, nn.Module],
+                     last: Sequence[nn.Module]) -> nn.Module:
+        layer_types = getattr(network.config, "layer_types", None)
+        if layer_types is not None and len(set(layer_types)) > 1:
+            raise ValueError(
+                f"{type(network).__name__} mixes attention types across layers ({sorted(set(layer_types))}); a"
+                " pipeline stage of it would mask its layers by their local index. Use one attention type (e.g."
+                " use_sliding_window=False) or pipeline_parallel_size=1."
+            )
+        return _HuggingFaceStage(network.model, list(blocks.values()), bool(first), bool(last),
+                                 network.lm_head if last else None)
+
+    def loss_function(self, network: nn.Module) -> StageLoss:
+        vocab_size = network.config.vocab_size
+
+        def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return network.loss_function(logits=logits, labels=labels, vocab_size=vocab_size)
+
+        return loss
+
+    def call_arguments(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                       attention_mask: torch.Tensor | None = None, **unexpected: Any
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError(
+                "an attention_mask with padding cannot be pipelined (micro-batches are full causal sequences);"
+                " pack the batch into full sequences or drop the attention_mask."
+            )
+        unexpected = {name: value for name, value in unexpected.items()
+                      if not (name in ("use_cache", "return_dict") or value is None)}
+        return super().call_arguments(input_ids, labels, **unexpected)
+
+    def output(self, network: nn.Module, loss: torch.Tensor | None, logits: torch.Tensor | None) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
