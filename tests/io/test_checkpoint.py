@@ -81,7 +81,8 @@ def _fit(tp: int, pp: int, directory: Path, steps: int = STEPS, ckpt_path: Path 
         devices=world_size(), strategy=strategy, max_steps=steps, logger=logger, default_root_dir=directory,
         callbacks=[recorder, *(callbacks or [])], enable_checkpointing=bool(callbacks), **trainer_options))
     module = CausalLMModule(config or "tiny", learning_rate=LEARNING_RATE, warmup_steps=6 if config else 0)
-    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2),
+    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
+                                        val_fraction=0.2),
                 ckpt_path=ckpt_path)
     return {"losses": logger.values("train_loss"), "batches": recorder.batches,
             "dp_rank": strategy.layout.coordinates(trainer.global_rank).dp, "weights": named_full(module)}

@@ -15,6 +15,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_tp3d import TP3DStrategy
@@ -116,15 +117,16 @@ def _fit(directory: Path, name: str, architecture: str, tp: int, pp: int, mode: 
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_schedule=schedule,
                             num_microbatches=2, data_parallel_mode=mode,
                             pretrained=folder if from_pretrained == "shards" else None)
-    trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger,
-                                         callbacks=[capture] + ([consistency] if export else []),
+    callbacks = [capture] + ([consistency] if export else [])
+    if save:  # inside fit, at the last step: mid-epoch, as a run that goes on would save
+        callbacks.append(ModelCheckpoint(dirpath=directory, filename="hf", every_n_train_steps=STEPS))
+    trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger, callbacks=callbacks,
+                                         enable_checkpointing=save,
                                          max_steps=STEPS + RESUMED_STEPS if resume else STEPS))
     module = HFModule(architecture, str(folder) if from_pretrained else None, on_meta=from_pretrained == "shards")
     trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
                                         val_fraction=0.2),
                 ckpt_path=str(directory / "hf.ckpt") if resume else None)
-    if save:
-        trainer.save_checkpoint(directory / "hf.ckpt")
     report = consistency.report.to_dict() if consistency is not None and consistency.report is not None else None
     return {"losses": logger.values("train_loss"), "first_grads": capture.first_grads, "consistency": report}
 

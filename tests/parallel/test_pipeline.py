@@ -50,7 +50,8 @@ def _fit(tp: int, pp: int, schedule: str, mode: str, microbatches: int, module: 
     trainer = L.Trainer(**trainer_kwargs(devices=world, strategy=strategy, logger=logger, callbacks=[capture],
                                          limit_val_batches=None, val_check_interval=STEPS,
                                          check_val_every_n_epoch=None))
-    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=batch or GLOBAL_BATCH // dp, val_fraction=0.2))
+    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=batch or GLOBAL_BATCH // dp,
+                                        val_fraction=0.2))
     timing = trainer.strategy.pipeline_timing
     return {"losses": logger.values("train_loss"), "val_loss": logger.values("val_loss"),
             "first_grads": capture.first_grads, "batch": batch or GLOBAL_BATCH // dp,

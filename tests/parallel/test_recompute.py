@@ -54,7 +54,8 @@ def _fit(tp: int, pp: int, mode: str, recompute: str, method: str, num_layers: i
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, max_steps=3, logger=logger,
                                          callbacks=[capture]))
     module = CausalLMModule(DROPOUT, learning_rate=LEARNING_RATE)
-    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2))
+    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
+                                        val_fraction=0.2))
     wrapped = {index: hasattr(block.forward if recompute == "full" else block.self_attn.core_attention, "__wrapped__")
                for index, block in module.model.model.layers.items()}
     return {"losses": logger.values("train_loss"), "first_grads": capture.first_grads,

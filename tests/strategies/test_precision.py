@@ -90,7 +90,8 @@ def _fit(tp: int, pp: int, steps: int, precision: Any, callbacks: list[Callback]
         strategy=TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
                               pipeline_schedule=schedule, data_parallel_mode=mode), **options))
     trainer.fit(CausalLMModule("tiny", learning_rate=LEARNING_RATE),
-                TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2), ckpt_path=ckpt_path)
+                TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
+                                val_fraction=0.2), ckpt_path=ckpt_path)
     return logger.values("train_loss")
 
 
