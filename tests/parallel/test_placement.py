@@ -43,9 +43,9 @@ def _placement_checks() -> dict[str, object]:
     results: dict[str, object] = {"parameter_devices": sorted({str(p.device) for p in network.parameters()})}
     batch = torch.zeros(4, 16, dtype=torch.long, device=device)
     network.eval()
-    with collectives_on(device) as calls:
+    with collectives_on(device) as calls, torch.no_grad():
         try:
-            network(batch, labels=batch)  # validation: the pipelined forward without a schedule
+            network(batch, labels=batch)  # validation (no grad): the pipelined forward without a schedule
             results["forward"] = "completed"
         except DeviceMismatch as error:
             results["forward"] = f"mismatch: {error}"
