@@ -31,11 +31,14 @@ from lightning_tp3d.io.checkpoint_format import CheckpointError
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.ledger import PRECISIONS, TrainingOptions, serving_ledger, serving_plan, training_ledger
+from lightning_tp3d.plan.schedules import bubble_fraction
 from lightning_tp3d.plan.units import parse_size
 
 __all__ = ["main"]
 
 _GIB = 1024**3
+_OOM_RETRY_UTILIZATION = 0.85  # the design documents' first step when a server does not start
+_MICROBATCHES_PER_STAGE = 4  # m >= 4 x pp keeps the GPipe / 1F1B bubble under 20%
 
 
 def _gib(value: int) -> str:
@@ -58,7 +61,10 @@ def _plan_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="uniform: every N-th layer; block: the first N layers of each stage")
     plan.add_argument("--recompute-num-layers", type=int, default=1, metavar="N")
     plan.add_argument("--dp-mode", choices=["replicate", "fsdp"], default="replicate")
-    plan.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    plan.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                      help="1f1b needs num_microbatches >= pp; about 4 x pp keeps the bubble near 20%%")
+    plan.add_argument("--gpus-per-node", type=int, default=None,
+                      help="GPUs in a node: tp must divide it (tp groups stay on a node's NVLink)")
     plan.add_argument("--serve-seq-len", type=int, default=None, help="serving sequence length (default: --seq-len)")
     plan.add_argument("--serve-num-seqs", type=int, default=1, help="concurrent serving sequences")
     plan.add_argument("--serve-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
@@ -75,14 +81,15 @@ def _plan_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_serve_plan(args: argparse.Namespace, config: ModelConfig) -> int:
+    # An explicit --max-model-len above the model's positions is refused; the default stays within them.
+    tokens = args.max_model_len or min(args.seq_len, config.max_position_embeddings)
     plans = serving_plan(config, args.model_path or args.model, parse_size(args.gpu_memory),
-                         args.gpu_memory_utilization, args.max_model_len or args.seq_len, args.serve_dtype,
+                         args.gpu_memory_utilization, tokens, args.serve_dtype,
                          tuple(args.deploy_tp) if args.deploy_tp else None)
     if args.json:
         print(json.dumps({"model": config.to_dict(), "serving_plan": [
             {**asdict(plan), "fits": plan.fits} for plan in plans]}, indent=2))
         return 0
-    tokens = args.max_model_len or args.seq_len
     print(f"serving {args.model} in {args.serve_dtype} on GPUs of {parse_size(args.gpu_memory) / _GIB:.1f} GiB at"
           f" utilization {args.gpu_memory_utilization}, sequences of {tokens} tokens")
     print(f"{'deploy tp':>9} {'weights GiB':>12} {'KV B/token':>11} {'KV GiB/seq':>11} {'cache GiB':>10} {'seqs':>6}")
@@ -95,6 +102,9 @@ def _run_serve_plan(args: argparse.Namespace, config: ModelConfig) -> int:
     for plan in plans:
         if plan.fits:
             print(plan.vllm_command)
+    if args.gpu_memory_utilization > _OOM_RETRY_UTILIZATION:
+        print(f"if vLLM runs out of memory while starting, retry with --gpu-memory-utilization"
+              f" {_OOM_RETRY_UTILIZATION} (and a lower --max-num-seqs)")
     return 0
 
 
@@ -110,11 +120,14 @@ def _run_plan(args: argparse.Namespace) -> int:
     options = TrainingOptions(seq_len=args.seq_len, precision=args.precision, recompute=args.recompute,
                               data_parallel_mode=args.dp_mode, schedule=args.schedule,
                               recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+    if args.gpus_per_node is not None:
+        layout.validate_cluster(args.gpus_per_node)
     training = training_ledger(config, layout, options)
     serving = serving_ledger(config, args.serve_seq_len or args.seq_len, args.serve_num_seqs, args.serve_dtype)
+    bubble = bubble_fraction(layout.pipeline_parallel_size, layout.num_microbatches)
     if args.json:
-        print(json.dumps({"model": config.to_dict(), "training": training.to_dict(), "serving": serving.to_dict()},
-                         indent=2))
+        print(json.dumps({"model": config.to_dict(), "training": training.to_dict(), "serving": serving.to_dict(),
+                          "pipeline_bubble_fraction": bubble}, indent=2))
         return 0
     print(f"model {args.model}: {config.num_parameters():,} parameters ({config.num_parameters() / 1e9:.2f}e9)")
     print(f"layout tp={layout.tensor_parallel_size} pp={layout.pipeline_parallel_size} dp={layout.data_parallel_size}"
@@ -130,6 +143,12 @@ def _run_plan(args: argparse.Namespace) -> int:
               f" {_gib(stage.gradient_bytes)} {_gib(stage.optimizer_bytes)} {_gib(stage.activation_bytes)}"
               f" {_gib(stage.total_bytes)}")
     print(f"peak per rank: {training.peak_stage.total_bytes / _GIB:.2f} GiB (stage {training.peak_stage.stage})")
+    pp, m = layout.pipeline_parallel_size, layout.num_microbatches
+    if pp > 1:
+        advice = "" if m >= _MICROBATCHES_PER_STAGE * pp else (
+            f"; num_microbatches >= {_MICROBATCHES_PER_STAGE} x pp = {_MICROBATCHES_PER_STAGE * pp} brings it to"
+            f" {bubble_fraction(pp, _MICROBATCHES_PER_STAGE * pp):.0%}")
+        print(f"pipeline bubble: (pp - 1) / (m + pp - 1) = {bubble:.0%} of each step{advice}")
     print(f"serving {serving.dtype}, pipeline stages merged: KV cache {serving.kv_bytes_per_token:,} B/token,"
           f" {serving.kv_bytes_per_sequence / _GIB:.2f} GiB per {serving.seq_len}-token sequence,"
           f" {serving.kv_bytes_total / _GIB:.2f} GiB for {serving.num_seqs} sequences")
