@@ -15,8 +15,9 @@ per-rank memory ledger for training and the serving alignment, without starting 
 concurrent sequences that fit and the vLLM command line. `doctor` measures the launched world's links
 per mesh dimension and warns with fixes.
 `export` merges a checkpoint of any layout into a Hugging Face folder (and deploy-TP shards); `check`
-compares an export's logits, as transformers computes them, with the checkpoint's (exit status 1 when
-they differ by more than the tolerance, naming the first layer over it).
+compares an export's logits, as transformers computes them, with the checkpoint's weights rounded to the
+export's dtype: PASS <= 1e-3 < WARN <= 1e-2 < FAIL on the max |logit diff| (exit status 1 on FAIL, naming
+the first layer over the PASS band; a warning on WARN or when the export's dtype is not the training one).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from lightning_tp3d.plan.units import parse_size
 __all__ = ["main"]
 
 _GIB = 1024**3
+# The serving dtype that matches each training precision ("serve in the precision you trained in").
+_SERVING_DTYPE = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16"}
 _OOM_RETRY_UTILIZATION = 0.85  # the design documents' first step when a server does not start
 _MICROBATCHES_PER_STAGE = 4  # m >= 4 x pp keeps the GPipe / 1F1B bubble under 20%
 
@@ -192,7 +195,10 @@ def _check_parser(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("export", help="a Hugging Face folder")
     check.add_argument("--checkpoint", default=None,
                        help="the checkpoint it came from (default: compare transformers with this package's decoder)")
-    check.add_argument("--tolerance", type=float, default=None, help="max |logit diff| (default by the export dtype)")
+    check.add_argument("--tolerance", type=float, default=None,
+                       help="FAIL above this max |logit diff| (default 1e-2)")
+    check.add_argument("--warn-above", type=float, default=None,
+                       help="WARN above this max |logit diff|, PASS at or below (default 1e-3)")
     check.add_argument("--prompt-lengths", type=int, nargs="+", default=None)
     check.add_argument("--no-transformers", action="store_true", help="load the export into this package's decoder")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -203,20 +209,34 @@ def _run_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lightning_tp3d.diagnostics import consistency
+    from lightning_tp3d.io.checkpoint_format import read_meta
+    from lightning_tp3d.io.hf import EXPORT_DTYPES
 
     export = Path(args.export)
     config = json.loads((export / "config.json").read_text())
-    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(config.get("torch_dtype", "float32"), "fp32")
-    tolerance = args.tolerance if args.tolerance is not None else consistency.default_tolerance(dtype)
+    dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype_name, "fp32")
     candidate = consistency.model_from_hf_folder(export, use_transformers=not args.no_transformers)
     if args.checkpoint is not None:
         reference = consistency.model_from_checkpoint(args.checkpoint)
+        trained = _SERVING_DTYPE.get(read_meta(args.checkpoint).precision or "", None)
+        if trained is not None and trained != dtype:
+            print(f"warning: the export is {dtype} but the model was trained in {trained}; serve in the precision"
+                  f" you trained in, or expect its logits to move by the difference reported below.", file=sys.stderr)
     else:
         reference = consistency.model_from_hf_folder(export, use_transformers=False)
     prompts = consistency.fixed_prompts(config["vocab_size"],
                                         args.prompt_lengths or consistency.DEFAULT_PROMPT_LENGTHS)
-    report = consistency.compare_models(reference, candidate, prompts, tolerance)
+    fail_above = args.tolerance if args.tolerance is not None else consistency.FAIL_ABOVE
+    warn_above = args.warn_above if args.warn_above is not None else consistency.WARN_ABOVE
+    with consistency.rounded_to(reference, EXPORT_DTYPES[dtype]):
+        report = consistency.compare_models(reference, candidate, prompts, fail_above, warn_above)
+    if dtype != "fp32":
+        report.precision_max_abs_diff = consistency.compare_models(reference, candidate, prompts).max_abs_diff
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+    if report.verdict == "WARN":
+        print(f"warning: max |logit diff| {report.max_abs_diff:.3e} is above the PASS band ({warn_above:.0e});"
+              f" look at {report.first_bad_layer} first.", file=sys.stderr)
     return 0 if report.passed else 1
 
 

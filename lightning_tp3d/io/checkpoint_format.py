@@ -97,6 +97,7 @@ class CheckpointMeta:
     network_prefix: str = ""
     model_config: dict[str, Any] | None = None
     data_parallel_mode: str = "replicate"
+    precision: str | None = None  # Lightning's training precision, e.g. "bf16-mixed"
     versions: dict[str, str] = field(default_factory=_library_versions)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION

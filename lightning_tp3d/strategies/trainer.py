@@ -301,7 +301,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self.finish_pending_save()
         model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         meta = self.core.checkpoint_meta(self.world_size, checkpoint.get("global_step", 0), checkpoint.get("epoch", 0),
-                                         self._model_attribute + ".", self.network)
+                                         self._model_attribute + ".", self.network,
+                                         str(self.precision_plugin.precision))
         # Only inside a running fit, whose teardown finishes the save; a save after fit is synchronous.
         trainer_state = self.lightning_module.trainer.state
         asynchronous = (self._async_checkpoint and trainer_state.fn == TrainerFn.FITTING
