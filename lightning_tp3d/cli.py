@@ -249,6 +249,11 @@ def _doctor_parser(subparsers: argparse._SubParsersAction) -> None:
     doctor.add_argument("--iterations", type=int, default=5)
     doctor.add_argument("--backend", default=None, help="default: nccl with CUDA, gloo otherwise")
     doctor.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
+    doctor.add_argument("--floor-intra-node", type=float, default=None, metavar="GBPS",
+                        help="warn below this bus bandwidth inside a node (GPUs; default 100 GB/s, NVLink)")
+    doctor.add_argument("--floor-inter-node", type=float, default=None, metavar="GBPS",
+                        help="warn below this across nodes (GPUs; default 10 GB/s, InfiniBand)")
+    doctor.add_argument("--nccl-log", default=None, help="an NCCL_DEBUG=INFO log of this run: report its transports")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(run=_run_doctor)
 
@@ -283,7 +288,15 @@ def _run_doctor(args: argparse.Namespace) -> int:
                                     pipeline_parallel_size=args.pp,
                                     data_parallel_size=args.dp if args.dp == "auto" else int(args.dp))
     mesh = build_device_mesh(layout, device_type, timeout)
-    report = run_doctor(layout, mesh, [parse_size(size) for size in args.sizes], args.iterations)
+    floors = {key: value for key, value in (("intra_node", args.floor_intra_node),
+                                            ("inter_node", args.floor_inter_node)) if value is not None}
+    log = None
+    if args.nccl_log is not None:
+        from pathlib import Path
+
+        log = Path(args.nccl_log).read_text(errors="replace")
+    report = run_doctor(layout, mesh, [parse_size(size) for size in args.sizes], args.iterations,
+                        floors_gbps=floors, nccl_log=log)
     if dist.get_rank() == 0:
         print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
     return 0
