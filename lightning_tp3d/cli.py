@@ -15,8 +15,9 @@ per-rank memory ledger for training and the serving alignment, without starting 
 concurrent sequences that fit and the vLLM command line. `doctor` measures the launched world's links
 per mesh dimension and warns with fixes.
 `export` merges a checkpoint of any layout into a Hugging Face folder (and deploy-TP shards); `check`
-compares an export's logits, as transformers computes them, with the checkpoint's (exit status 1 when
-they differ by more than the tolerance, naming the first layer over it).
+compares an export's logits, as transformers computes them, with the checkpoint's weights rounded to the
+export's dtype: PASS <= 1e-3 < WARN <= 1e-2 < FAIL on the max |logit diff| (exit status 1 on FAIL, naming
+the first layer over the PASS band; a warning on WARN or when the export's dtype is not the training one).
 """
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ from lightning_tp3d.io.checkpoint_format import CheckpointError
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.ledger import PRECISIONS, TrainingOptions, serving_ledger, serving_plan, training_ledger
+from lightning_tp3d.plan.schedules import bubble_fraction
 from lightning_tp3d.plan.units import parse_size
 
 __all__ = ["main"]
 
 _GIB = 1024**3
+# The serving dtype that matches each training precision ("serve in the precision you trained in").
+_SERVING_DTYPE = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16"}
+_OOM_RETRY_UTILIZATION = 0.85  # the design documents' first step when a server does not start
+_MICROBATCHES_PER_STAGE = 4  # m >= 4 x pp keeps the GPipe / 1F1B bubble under 20%
 
 
 def _gib(value: int) -> str:
@@ -58,7 +64,10 @@ def _plan_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="uniform: every N-th layer; block: the first N layers of each stage")
     plan.add_argument("--recompute-num-layers", type=int, default=1, metavar="N")
     plan.add_argument("--dp-mode", choices=["replicate", "fsdp"], default="replicate")
-    plan.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    plan.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                      help="1f1b needs num_microbatches >= pp; about 4 x pp keeps the bubble near 20%%")
+    plan.add_argument("--gpus-per-node", type=int, default=None,
+                      help="GPUs in a node: tp must divide it (tp groups stay on a node's NVLink)")
     plan.add_argument("--serve-seq-len", type=int, default=None, help="serving sequence length (default: --seq-len)")
     plan.add_argument("--serve-num-seqs", type=int, default=1, help="concurrent serving sequences")
     plan.add_argument("--serve-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
@@ -75,14 +84,15 @@ def _plan_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_serve_plan(args: argparse.Namespace, config: ModelConfig) -> int:
+    # An explicit --max-model-len above the model's positions is refused; the default stays within them.
+    tokens = args.max_model_len or min(args.seq_len, config.max_position_embeddings)
     plans = serving_plan(config, args.model_path or args.model, parse_size(args.gpu_memory),
-                         args.gpu_memory_utilization, args.max_model_len or args.seq_len, args.serve_dtype,
+                         args.gpu_memory_utilization, tokens, args.serve_dtype,
                          tuple(args.deploy_tp) if args.deploy_tp else None)
     if args.json:
         print(json.dumps({"model": config.to_dict(), "serving_plan": [
             {**asdict(plan), "fits": plan.fits} for plan in plans]}, indent=2))
         return 0
-    tokens = args.max_model_len or args.seq_len
     print(f"serving {args.model} in {args.serve_dtype} on GPUs of {parse_size(args.gpu_memory) / _GIB:.1f} GiB at"
           f" utilization {args.gpu_memory_utilization}, sequences of {tokens} tokens")
     print(f"{'deploy tp':>9} {'weights GiB':>12} {'KV B/token':>11} {'KV GiB/seq':>11} {'cache GiB':>10} {'seqs':>6}")
@@ -95,6 +105,9 @@ def _run_serve_plan(args: argparse.Namespace, config: ModelConfig) -> int:
     for plan in plans:
         if plan.fits:
             print(plan.vllm_command)
+    if args.gpu_memory_utilization > _OOM_RETRY_UTILIZATION:
+        print(f"if vLLM runs out of memory while starting, retry with --gpu-memory-utilization"
+              f" {_OOM_RETRY_UTILIZATION} (and a lower --max-num-seqs)")
     return 0
 
 
@@ -110,11 +123,14 @@ def _run_plan(args: argparse.Namespace) -> int:
     options = TrainingOptions(seq_len=args.seq_len, precision=args.precision, recompute=args.recompute,
                               data_parallel_mode=args.dp_mode, schedule=args.schedule,
                               recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+    if args.gpus_per_node is not None:
+        layout.validate_cluster(args.gpus_per_node)
     training = training_ledger(config, layout, options)
     serving = serving_ledger(config, args.serve_seq_len or args.seq_len, args.serve_num_seqs, args.serve_dtype)
+    bubble = bubble_fraction(layout.pipeline_parallel_size, layout.num_microbatches)
     if args.json:
-        print(json.dumps({"model": config.to_dict(), "training": training.to_dict(), "serving": serving.to_dict()},
-                         indent=2))
+        print(json.dumps({"model": config.to_dict(), "training": training.to_dict(), "serving": serving.to_dict(),
+                          "pipeline_bubble_fraction": bubble}, indent=2))
         return 0
     print(f"model {args.model}: {config.num_parameters():,} parameters ({config.num_parameters() / 1e9:.2f}e9)")
     print(f"layout tp={layout.tensor_parallel_size} pp={layout.pipeline_parallel_size} dp={layout.data_parallel_size}"
@@ -130,6 +146,12 @@ def _run_plan(args: argparse.Namespace) -> int:
               f" {_gib(stage.gradient_bytes)} {_gib(stage.optimizer_bytes)} {_gib(stage.activation_bytes)}"
               f" {_gib(stage.total_bytes)}")
     print(f"peak per rank: {training.peak_stage.total_bytes / _GIB:.2f} GiB (stage {training.peak_stage.stage})")
+    pp, m = layout.pipeline_parallel_size, layout.num_microbatches
+    if pp > 1:
+        advice = "" if m >= _MICROBATCHES_PER_STAGE * pp else (
+            f"; num_microbatches >= {_MICROBATCHES_PER_STAGE} x pp = {_MICROBATCHES_PER_STAGE * pp} brings it to"
+            f" {bubble_fraction(pp, _MICROBATCHES_PER_STAGE * pp):.0%}")
+        print(f"pipeline bubble: (pp - 1) / (m + pp - 1) = {bubble:.0%} of each step{advice}")
     print(f"serving {serving.dtype}, pipeline stages merged: KV cache {serving.kv_bytes_per_token:,} B/token,"
           f" {serving.kv_bytes_per_sequence / _GIB:.2f} GiB per {serving.seq_len}-token sequence,"
           f" {serving.kv_bytes_total / _GIB:.2f} GiB for {serving.num_seqs} sequences")
@@ -173,7 +195,10 @@ def _check_parser(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("export", help="a Hugging Face folder")
     check.add_argument("--checkpoint", default=None,
                        help="the checkpoint it came from (default: compare transformers with this package's decoder)")
-    check.add_argument("--tolerance", type=float, default=None, help="max |logit diff| (default by the export dtype)")
+    check.add_argument("--tolerance", type=float, default=None,
+                       help="FAIL above this max |logit diff| (default 1e-2)")
+    check.add_argument("--warn-above", type=float, default=None,
+                       help="WARN above this max |logit diff|, PASS at or below (default 1e-3)")
     check.add_argument("--prompt-lengths", type=int, nargs="+", default=None)
     check.add_argument("--no-transformers", action="store_true", help="load the export into this package's decoder")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -184,20 +209,34 @@ def _run_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lightning_tp3d.diagnostics import consistency
+    from lightning_tp3d.io.checkpoint_format import read_meta
+    from lightning_tp3d.io.hf import EXPORT_DTYPES
 
     export = Path(args.export)
     config = json.loads((export / "config.json").read_text())
-    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(config.get("torch_dtype", "float32"), "fp32")
-    tolerance = args.tolerance if args.tolerance is not None else consistency.default_tolerance(dtype)
+    dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype_name, "fp32")
     candidate = consistency.model_from_hf_folder(export, use_transformers=not args.no_transformers)
     if args.checkpoint is not None:
         reference = consistency.model_from_checkpoint(args.checkpoint)
+        trained = _SERVING_DTYPE.get(read_meta(args.checkpoint).precision or "", None)
+        if trained is not None and trained != dtype:
+            print(f"warning: the export is {dtype} but the model was trained in {trained}; serve in the precision"
+                  f" you trained in, or expect its logits to move by the difference reported below.", file=sys.stderr)
     else:
         reference = consistency.model_from_hf_folder(export, use_transformers=False)
     prompts = consistency.fixed_prompts(config["vocab_size"],
                                         args.prompt_lengths or consistency.DEFAULT_PROMPT_LENGTHS)
-    report = consistency.compare_models(reference, candidate, prompts, tolerance)
+    fail_above = args.tolerance if args.tolerance is not None else consistency.FAIL_ABOVE
+    warn_above = args.warn_above if args.warn_above is not None else consistency.WARN_ABOVE
+    with consistency.rounded_to(reference, EXPORT_DTYPES[dtype]):
+        report = consistency.compare_models(reference, candidate, prompts, fail_above, warn_above)
+    if dtype != "fp32":
+        report.precision_max_abs_diff = consistency.compare_models(reference, candidate, prompts).max_abs_diff
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+    if report.verdict == "WARN":
+        print(f"warning: max |logit diff| {report.max_abs_diff:.3e} is above the PASS band ({warn_above:.0e});"
+              f" look at {report.first_bad_layer} first.", file=sys.stderr)
     return 0 if report.passed else 1
 
 
@@ -210,6 +249,11 @@ def _doctor_parser(subparsers: argparse._SubParsersAction) -> None:
     doctor.add_argument("--iterations", type=int, default=5)
     doctor.add_argument("--backend", default=None, help="default: nccl with CUDA, gloo otherwise")
     doctor.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
+    doctor.add_argument("--floor-intra-node", type=float, default=None, metavar="GBPS",
+                        help="warn below this bus bandwidth inside a node (GPUs; default 100 GB/s, NVLink)")
+    doctor.add_argument("--floor-inter-node", type=float, default=None, metavar="GBPS",
+                        help="warn below this across nodes (GPUs; default 10 GB/s, InfiniBand)")
+    doctor.add_argument("--nccl-log", default=None, help="an NCCL_DEBUG=INFO log of this run: report its transports")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(run=_run_doctor)
 
@@ -244,7 +288,15 @@ def _run_doctor(args: argparse.Namespace) -> int:
                                     pipeline_parallel_size=args.pp,
                                     data_parallel_size=args.dp if args.dp == "auto" else int(args.dp))
     mesh = build_device_mesh(layout, device_type, timeout)
-    report = run_doctor(layout, mesh, [parse_size(size) for size in args.sizes], args.iterations)
+    floors = {key: value for key, value in (("intra_node", args.floor_intra_node),
+                                            ("inter_node", args.floor_inter_node)) if value is not None}
+    log = None
+    if args.nccl_log is not None:
+        from pathlib import Path
+
+        log = Path(args.nccl_log).read_text(errors="replace")
+    report = run_doctor(layout, mesh, [parse_size(size) for size in args.sizes], args.iterations,
+                        floors_gbps=floors, nccl_log=log)
     if dist.get_rank() == 0:
         print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
     return 0

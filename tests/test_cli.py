@@ -61,3 +61,28 @@ def test_doctor_buffers_follow_the_backend_not_the_machine():
     assert doctor_device_type("gloo") == "cpu" and doctor_device_type("nccl") == "cuda"
     with pytest.raises(ValueError, match="not one of 'nccl', 'gloo'"):
         doctor_device_type("mpi")
+
+
+def test_plan_applies_the_operating_rules(capsys):
+    """tp inside a node, micro-batches for 1F1B with the bubble figure, max model length within the
+    model's positions, and the 0.85 retry advice for serving."""
+    assert main(["plan", "deepseek-llm-7b", "--tp", "8", "--pp", "8", "--num-microbatches", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tp3d plan: error: pipeline_schedule='1f1b' needs num_microbatches >= pipeline_parallel_size, got"
+        " num_microbatches=2 < 8; raise num_microbatches or use 'gpipe'.")
+    assert main(["plan", "deepseek-llm-7b", "--tp", "8", "--pp", "8", "--num-microbatches", "2",
+                 "--schedule", "gpipe"]) == 0
+    assert "pipeline bubble: (pp - 1) / (m + pp - 1) = 78% of each step; num_microbatches >= 4 x pp = 32 brings" \
+           " it to 18%" in capsys.readouterr().out
+    assert main(["plan", "deepseek-llm-7b", "--tp", "8", "--pp", "4", "--num-microbatches", "16",
+                 "--gpus-per-node", "8"]) == 0
+    assert "pipeline bubble: (pp - 1) / (m + pp - 1) = 16% of each step\n" in capsys.readouterr().out
+    assert main(["plan", "deepseek-llm-67b", "--tp", "16", "--pp", "4", "--gpus-per-node", "8"]) == 2
+    assert "tensor_parallel_size=16 does not fit inside a node of 8 GPUs" in capsys.readouterr().err
+    assert main(["plan", "deepseek-llm-7b", "--serve", "--max-model-len", "8192"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tp3d plan: error: max_model_len=8192 exceeds the model's max_position_embeddings=4096, which vLLM"
+        " refuses; serve at most 4096 tokens per sequence (or a model with longer positions).")
+    assert main(["plan", "deepseek-llm-7b", "--serve"]) == 0
+    out = capsys.readouterr().out
+    assert "--max-model-len 4096" in out and "retry with --gpu-memory-utilization 0.85" in out

@@ -25,19 +25,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_tp3d.diagnostics.consistency import (
     DEFAULT_PROMPT_LENGTHS,
-    TOLERANCES,
+    FAIL_ABOVE,
+    WARN_ABOVE,
     ConsistencyReport,
     compare_outputs,
-    default_tolerance,
     exact_fp32_matmuls,
     fixed_prompts,
     model_from_hf_folder,
+    rounded_to,
     run_with_layer_outputs,
 )
 from lightning_tp3d.io.checkpoint_format import read_meta
 from lightning_tp3d.io.deploy import DEPLOY_SHARDS, deploy_folder
 from lightning_tp3d.io.export import HF_EXPORT, ExportResult, export_checkpoint
 from lightning_tp3d.io.folders import check_output_folder
+from lightning_tp3d.io.hf import EXPORT_DTYPES
 
 __all__ = ["ConsistencyCheck", "ExportCallback"]
 
@@ -129,11 +131,15 @@ class ConsistencyCheck(Callback):
     report (max |logit diff|, KL, each decoder layer's max |diff|, the first layer over tolerance) is
     logged as `consistency/*` and kept in `self.report`; over the tolerance it raises (or warns).
 
+    The live model runs with its weights rounded to the export's dtype (`consistency.rounded_to`), so the
+    bands judge the export itself; with a lower-precision export the difference against the unrounded
+    weights is reported too (`precision_max_abs_diff`).
+
     Args:
         output: folder of the export that is checked (kept afterwards).
-        dtype: export dtype; the default tolerance follows it and the live model's device
-            (`consistency.default_tolerance`: fp32 1e-5 on the CPU, 1e-4 on a GPU; bf16 1e-2, fp16 1e-3).
-        tolerance: max |logit diff| allowed.
+        dtype: export dtype.
+        tolerance: FAIL above this max |logit diff| (default `consistency.FAIL_ABOVE`, 1e-2).
+        warn_above: WARN above this, PASS at or below (default `consistency.WARN_ABOVE`, 1e-3).
         prompt_lengths: lengths of the fixed prompts.
         use_transformers: load the export with transformers when it is installed.
         raise_on_failure: raise `RuntimeError` when the check fails (else a warning).
@@ -142,13 +148,14 @@ class ConsistencyCheck(Callback):
 
     def __init__(self, output: str | Path, dtype: str = "fp32", tolerance: float | None = None,
                  prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS, use_transformers: bool = True,
-                 raise_on_failure: bool = True, overwrite: bool = False) -> None:
+                 raise_on_failure: bool = True, overwrite: bool = False, warn_above: float = WARN_ABOVE) -> None:
         self.output = Path(output)
         self.overwrite = overwrite
         self.dtype = dtype
-        if dtype not in TOLERANCES:
-            raise ValueError(f"dtype={dtype!r} is not one of {sorted(TOLERANCES)}.")
-        self.tolerance = tolerance
+        if dtype not in EXPORT_DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {sorted(EXPORT_DTYPES)}.")
+        self.tolerance = FAIL_ABOVE if tolerance is None else tolerance
+        self.warn_above = warn_above
         self.prompt_lengths = tuple(prompt_lengths)
         self.use_transformers = use_transformers
         self.raise_on_failure = raise_on_failure
@@ -164,22 +171,26 @@ class ConsistencyCheck(Callback):
         was_training = network.training
         network.eval()
         with exact_fp32_matmuls():
-            live = _gather_to_rank_zero(run_with_layer_outputs(network, prompts), trainer)
+            with rounded_to(network, EXPORT_DTYPES[self.dtype]):
+                live = _gather_to_rank_zero(run_with_layer_outputs(network, prompts), trainer)
+            unrounded = None if self.dtype == "fp32" else run_with_layer_outputs(network, prompts)[0]
         network.train(was_training)
-        tolerance = self.tolerance
-        if tolerance is None:
-            tolerance = default_tolerance(self.dtype, pl_module.device.type)
         _export_live_model(trainer, self.output, dtype=self.dtype, overwrite=self.overwrite)
         if trainer.is_global_zero:
             exported = model_from_hf_folder(self.output, use_transformers=self.use_transformers)
-            self.report = compare_outputs(live, run_with_layer_outputs(exported, [p.cpu() for p in prompts]),
-                                          tolerance)
+            outputs = run_with_layer_outputs(exported, [p.cpu() for p in prompts])
+            self.report = compare_outputs(live, outputs, self.tolerance, self.warn_above)
+            if unrounded is not None:
+                self.report.precision_max_abs_diff = compare_outputs((unrounded, []), outputs).max_abs_diff
             if trainer.logger is not None:
                 trainer.logger.log_metrics({"consistency/max_abs_diff": self.report.max_abs_diff,
                                             "consistency/kl": self.report.kl}, step=trainer.global_step)
             rank_zero_info(self.report.summary())
-        failure = trainer.strategy.broadcast(None if self.report is None or self.report.passed
-                                             else self.report.summary())
+        verdict, summary = trainer.strategy.broadcast(
+            (self.report.verdict, self.report.summary()) if self.report is not None else (None, None))
+        if verdict == "WARN":
+            rank_zero_warn(f"Train-vs-deploy check of {self.output}: {summary}")
+        failure = summary if verdict == "FAIL" else None
         if failure is not None:
             if self.raise_on_failure:
                 raise RuntimeError(f"Train-vs-deploy check of {self.output}: {failure}")

@@ -7,7 +7,8 @@ so samples and tokens per second are multiplied by dp here, while FLOPs are shar
 1 / (tp x pp) of its replica's work, so per-rank FLOPs are the replica batch's FLOPs / (tp x pp) and the
 global FLOPs are that x world size. Model FLOPs per token come from `ledger.training_flops_per_token`.
 MFU is per-rank FLOPs/s over the device's peak (torch's table for GPUs and the precision, or
-`available_flops=`).
+`available_flops=`). With an MFU target (default 0.40 on GPUs, the design documents' bar) the monitor
+warns once when the MFU measured after the first full window is below it, naming the likely causes.
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from lightning_tp3d.parallel.grad_norm import global_grad_norm
 from lightning_tp3d.parallel.mesh import mesh_device
 from lightning_tp3d.plan.ledger import training_flops_per_token
+from lightning_tp3d.plan.schedules import bubble_fraction
 
-__all__ = ["TP3DThroughputMonitor", "local_storage_bytes"]
+__all__ = ["DEFAULT_MFU_TARGET", "TP3DThroughputMonitor", "local_storage_bytes"]
+
+DEFAULT_MFU_TARGET = 0.40  # on GPUs; CPUs have no such bar
 
 
 def local_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -58,14 +63,19 @@ class TP3DThroughputMonitor(ThroughputMonitor):
         window_size: optimizer steps the rates are averaged over.
         available_flops: peak FLOP/s of one device, for MFU where torch has no figure (e.g. CPUs).
         batch_size_fn / length_fn: samples and tokens of a batch (default: `input_ids` rows and elements).
+        mfu_target: warn once when the MFU after the first full window is below this (default
+            `DEFAULT_MFU_TARGET` on GPUs, none on CPUs; 0 disables); the warning is kept in `mfu_warning`.
     """
 
     def __init__(self, window_size: int = 20, available_flops: float | None = None,
-                 batch_size_fn: Any = extract_batch_size, length_fn: Any = _tokens) -> None:
+                 batch_size_fn: Any = extract_batch_size, length_fn: Any = _tokens,
+                 mfu_target: float | None = None) -> None:
         super().__init__(batch_size_fn=batch_size_fn, length_fn=length_fn, window_size=window_size)
         self._available_flops_override = available_flops
         self._model_parallel = 1
         self._config: Any = None
+        self.mfu_target = mfu_target
+        self.mfu_warning: str | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -73,6 +83,8 @@ class TP3DThroughputMonitor(ThroughputMonitor):
         self._model_parallel = layout.tensor_parallel_size * layout.pipeline_parallel_size
         if self._available_flops_override is not None:
             self.available_flops = self._available_flops_override
+        if self.mfu_target is None:
+            self.mfu_target = DEFAULT_MFU_TARGET if trainer.strategy.root_device.type == "cuda" else 0.0
         for key in list(self._throughputs):  # samples and tokens are distinct only across dp ranks
             self._throughputs[key] = Throughput(available_flops=self.available_flops,
                                                 world_size=layout.data_parallel_size, **self.kwargs)
@@ -107,8 +119,27 @@ class TP3DThroughputMonitor(ThroughputMonitor):
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         metrics[f"device{separator}peak_memory_bytes"] = peak
+        mfu = metrics.get(f"device{separator}mfu")
+        if mfu is not None and self.mfu_target and mfu < self.mfu_target and self.mfu_warning is None:
+            self._warn_low_mfu(trainer, mfu)
         metrics = {f"{stage.value}{separator}{key}": value for key, value in metrics.items()}
         trainer._logger_connector.log_metrics(metrics, step=iter_num)
+
+    def _warn_low_mfu(self, trainer: L.Trainer, mfu: float) -> None:
+        layout, options = trainer.strategy.layout, trainer.strategy.core.options
+        causes = []
+        if layout.pipeline_parallel_size > 1:
+            bubble = bubble_fraction(layout.pipeline_parallel_size, layout.num_microbatches)
+            causes.append(f"the pipeline bubble ({bubble:.0%} of each step at pp={layout.pipeline_parallel_size},"
+                          f" num_microbatches={layout.num_microbatches}; about 4 x pp micro-batches shrink it)")
+        if options.recompute != "none":
+            causes.append(f"activation recompute ({options.recompute}: full recompute repeats the forward, about"
+                          " 30% more compute that MFU does not count)")
+        causes.append("exposed communication (tp all-reduces must stay on NVLink, see `tp3d doctor`; dp and pp"
+                      " traffic not hidden behind compute)")
+        self.mfu_warning = (f"MFU {mfu:.1%} is below the target {self.mfu_target:.0%} after warm-up; likely causes: "
+                            + "; ".join(causes) + ".")
+        rank_zero_warn(self.mfu_warning)
 
     @staticmethod
     def _clips_by_norm(trainer: L.Trainer) -> bool:

@@ -5,8 +5,9 @@ and per group the latency and bandwidth at a few message sizes: all-reduce for t
 as nccl-tests defines it, 2 (n - 1) / n x bytes / time), send/recv to the next pipeline stage for pp
 (bytes / time). Every group of a dimension is measured at once, as training loads them. `diagnose`
 turns the figures into warnings with the fix: a tp group across hosts, a group far slower than the
-others of its dimension, tensor parallelism on slower links than data parallelism, NCCL settings that
-disable the fast transports.
+others of its dimension or (on GPUs) below an absolute floor (NVLink inside a node, InfiniBand across
+nodes), tensor parallelism on slower links than data parallelism, NCCL settings known to cost bandwidth
+and a fallback to sockets seen in an `NCCL_DEBUG=INFO` log (`diagnostics.nccl`).
 
 Run it with the launcher of the job (`torchrun --nproc-per-node 8 -m lightning_tp3d.cli doctor --tp 8
 --pp 4`), or at strategy setup with `TP3DStrategy(preflight=True)`.
@@ -25,13 +26,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_tp3d.diagnostics.nccl import (
+    nccl_setting_warnings,
+    nccl_settings,
+    transport_warnings,
+    transports_in_log,
+)
 from lightning_tp3d.parallel.mesh import mesh_device
 from lightning_tp3d.parallel.timing import DeviceInterval
 from lightning_tp3d.plan.layout import ParallelLayout
 
-__all__ = ["DEFAULT_SIZES", "DoctorReport", "Measurement", "diagnose", "run_doctor"]
+__all__ = ["DEFAULT_FLOORS_GBPS", "DEFAULT_SIZES", "DoctorReport", "Measurement", "diagnose", "run_doctor"]
 
 DEFAULT_SIZES = (4 * 1024, 1024**2, 16 * 1024**2)
+# Absolute floors (GB/s) for the largest message, on GPUs: a group inside one node should run on NVLink
+# (bus bandwidth in the hundreds of GB/s on H100 / H200), a group across nodes on InfiniBand (400 Gb/s
+# NDR: ~50 GB/s a port). Far below the floor means PCIe, sockets or a misconfigured fabric.
+DEFAULT_FLOORS_GBPS = {"intra_node": 100.0, "inter_node": 10.0}
 _SLOW_FRACTION = 0.5
 
 
@@ -54,6 +65,8 @@ class DoctorReport:
     hosts: list[str]
     measurements: list[Measurement] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    nccl_settings: dict[str, str | None] = field(default_factory=dict)
+    transports: dict[str, int] = field(default_factory=dict)  # from an NCCL_DEBUG=INFO log, when given
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +81,11 @@ class DoctorReport:
             group = ",".join(map(str, row.ranks))
             lines.append(f"{row.dimension:>3} {group:<22} {len(set(row.hosts)):>5} {row.operation:<10}"
                          f" {row.bytes:>10,} {row.latency_seconds * 1e6:>11.1f} {row.bandwidth_gbps:>9.3f}")
+        if self.backend == "nccl":
+            settings = ", ".join(f"{name}={value}" for name, value in self.nccl_settings.items() if value is not None)
+            lines.append(f"NCCL settings: {settings or 'all defaults'}")
+        if self.transports:
+            lines.append("NCCL transports: " + ", ".join(f"{name} x{count}" for name, count in self.transports.items()))
         lines += [f"warning: {warning}" for warning in self.warnings] or ["no warnings"]
         return "\n".join(lines)
 
@@ -110,8 +128,10 @@ def _measure_dimension(mesh: DeviceMesh, dimension: str, size: int, iterations: 
 
 
 def run_doctor(layout: ParallelLayout, mesh: DeviceMesh, sizes: Sequence[int] = DEFAULT_SIZES, iterations: int = 5,
-               warmup: int = 2, environment: Mapping[str, str] | None = None) -> DoctorReport:
-    """Measure every mesh dimension; a collective over all ranks, which all receive the whole report."""
+               warmup: int = 2, environment: Mapping[str, str] | None = None,
+               floors_gbps: Mapping[str, float] | None = None, nccl_log: str | None = None) -> DoctorReport:
+    """Measure every mesh dimension; a collective over all ranks, which all receive the whole report.
+    `nccl_log` is the text of an `NCCL_DEBUG=INFO` log of this run, for the transports."""
     device = mesh_device(mesh)
     world = dist.get_world_size()
     hosts: list[str] = [""] * world
@@ -136,16 +156,22 @@ def run_doctor(layout: ParallelLayout, mesh: DeviceMesh, sizes: Sequence[int] = 
         factor = 2 * (len(ranks) - 1) / len(ranks) if operation == "all_reduce" else 1.0
         measurements.append(Measurement(dimension, ranks, tuple(hosts[rank] for rank in ranks), operation, size,
                                         seconds, factor * size / seconds / 1e9))
-    report = DoctorReport(dist.get_backend(), world, layout.to_dict(), hosts, measurements)
-    report.warnings = diagnose(report, dict(os.environ) if environment is None else environment,
-                               uses_gpus=mesh.device_type == "cuda")
+    environment = dict(os.environ) if environment is None else environment
+    report = DoctorReport(dist.get_backend(), world, layout.to_dict(), hosts, measurements,
+                          nccl_settings=nccl_settings(environment),
+                          transports=transports_in_log(nccl_log) if nccl_log else {})
+    report.warnings = diagnose(report, environment, uses_gpus=mesh.device_type == "cuda", floors_gbps=floors_gbps)
     return report
 
 
-def diagnose(report: DoctorReport, environment: Mapping[str, str], uses_gpus: bool) -> list[str]:
-    """Warnings, each with its fix, from a report's figures, its hosts and the NCCL / gloo settings."""
+def diagnose(report: DoctorReport, environment: Mapping[str, str], uses_gpus: bool,
+             floors_gbps: Mapping[str, float] | None = None) -> list[str]:
+    """Warnings, each with its fix, from a report's figures (relative to the other groups and, on GPUs,
+    against absolute floors: `DEFAULT_FLOORS_GBPS` unless `floors_gbps` says otherwise), its hosts, the NCCL /
+    gloo settings and the transports NCCL picked."""
     warnings = []
     multi_host = len(set(report.hosts)) > 1
+    floors = {**DEFAULT_FLOORS_GBPS, **(floors_gbps or {})}
     for row in report.measurements:
         if row.dimension == "tp" and len(set(row.hosts)) > 1 and row.bytes == report.measurements[0].bytes:
             warnings.append(
@@ -170,19 +196,24 @@ def diagnose(report: DoctorReport, environment: Mapping[str, str], uses_gpus: bo
                     f" median {medians[dimension]:.2f} GB/s of the {dimension} groups: check the links of hosts"
                     f" {sorted(set(row.hosts))} (NCCL_DEBUG=INFO shows the transport NCCL picked)."
                 )
+    for dimension, rows in by_dimension.items():
+        for row in rows:
+            where = "intra_node" if len(set(row.hosts)) == 1 else "inter_node"
+            if uses_gpus and row.bandwidth_gbps < floors[where]:
+                link = "NVLink inside a node" if where == "intra_node" else "InfiniBand across nodes"
+                warnings.append(
+                    f"{dimension} group {list(row.ranks)} reaches {row.bandwidth_gbps:.2f} GB/s, below the"
+                    f" {floors[where]:g} GB/s floor for {link}: check the topology (nvidia-smi topo -m) and the"
+                    f" NCCL settings (floors: --floor-intra-node / --floor-inter-node)."
+                )
     if uses_gpus and "tp" in medians and "dp" in medians and medians["tp"] < _SLOW_FRACTION * medians["dp"]:
         warnings.append(
             f"tp all-reduce reaches {medians['tp']:.2f} GB/s, under half of dp's {medians['dp']:.2f} GB/s: tensor"
             " parallelism should run on the fastest links (NVLink inside a node); check the layout and the launch."
         )
     if report.backend == "nccl":
-        if environment.get("NCCL_IB_DISABLE") == "1":
-            warnings.append("NCCL_IB_DISABLE=1 turns InfiniBand off and falls back to sockets: unset it.")
-        if environment.get("NCCL_P2P_DISABLE") == "1":
-            warnings.append("NCCL_P2P_DISABLE=1 turns NVLink / PCIe peer-to-peer off inside a node: unset it.")
-        if multi_host and not environment.get("NCCL_SOCKET_IFNAME"):
-            warnings.append("NCCL_SOCKET_IFNAME is unset on a multi-host run: set it to the fast interface (e.g."
-                            " ib0, or the 100G ethernet one) so bootstrap and socket traffic avoid a slow one.")
+        warnings += nccl_setting_warnings(environment, multi_host)
+        warnings += transport_warnings(report.transports, multi_host)
     elif uses_gpus:
         warnings.append(f"backend {report.backend} on GPUs: use nccl (TP3DStrategy(process_group_backend='nccl')).")
     elif multi_host and not environment.get("GLOO_SOCKET_IFNAME"):

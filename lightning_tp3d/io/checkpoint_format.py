@@ -97,6 +97,10 @@ class CheckpointMeta:
     network_prefix: str = ""
     model_config: dict[str, Any] | None = None
     data_parallel_mode: str = "replicate"
+    precision: str | None = None  # Lightning's training precision, e.g. "bf16-mixed"
+    loss: float | None = None  # the last training loss (mean over dp replicas) before the save
+    loss_mean: float | None = None  # mean and standard deviation of the last steps' losses
+    loss_std: float | None = None
     versions: dict[str, str] = field(default_factory=_library_versions)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION

@@ -194,6 +194,18 @@ class ParallelLayout:
                 f" size is {world_size}; launch {self.world_size} processes or set data_parallel_size='auto'."
             )
 
+    def validate_cluster(self, gpus_per_node: int) -> None:
+        """tp groups are consecutive ranks: with `gpus_per_node` GPUs a node, a tp group stays inside one node
+        (NVLink) only if tp <= gpus_per_node and tp divides it; tp all-reduces across nodes are refused."""
+        _check_positive_int("gpus_per_node", gpus_per_node)
+        tp = self.tensor_parallel_size
+        if tp > gpus_per_node or gpus_per_node % tp:
+            raise LayoutError(
+                f"tensor_parallel_size={tp} does not fit inside a node of {gpus_per_node} GPUs: its all-reduces (two"
+                f" per layer and micro-batch) would cross nodes. Use a tensor_parallel_size that divides"
+                f" {gpus_per_node} and scale with pipeline or data parallelism instead."
+            )
+
     def validate_model(self, config: _ModelShape, num_stages: int | None = None) -> None:
         """Check that the model can be split this way (any object with Hugging Face config names)."""
         tp = self.tensor_parallel_size

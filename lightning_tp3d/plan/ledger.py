@@ -40,6 +40,7 @@ from typing import Any, Literal
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.recompute import check_recompute_options, recomputed_layers
+from lightning_tp3d.plan.schedules import stages_per_rank_of
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, layer_parameters_per_rank, parameters_per_rank
 
 __all__ = [
@@ -148,6 +149,8 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
     """Per-stage memory of one rank for training `config` at `layout` (see the module docstring)."""
     layout.validate_model(config)
     tp, pp, dp = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size
+    if pp > 1:
+        stages_per_rank_of(options.schedule, pp, layout.num_microbatches, 1)  # 1F1B: m >= pp
     weight, gradient, optimizer, activation = PRECISIONS[options.precision]
     shard = dp if options.data_parallel_mode == "fsdp" else 1
     s, b, m = options.seq_len, layout.micro_batch_size, layout.num_microbatches
@@ -293,6 +296,12 @@ def serving_plan(
     if max_model_len < 1 or gpu_memory_bytes < 1:
         raise ValueError(f"max_model_len and the GPU memory must be positive, got {max_model_len} and"
                          f" {gpu_memory_bytes}.")
+    if max_model_len > config.max_position_embeddings:
+        raise LayoutError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+            f"{config.max_position_embeddings}, which vLLM refuses; serve at most {config.max_position_embeddings}"
+            " tokens per sequence (or a model with longer positions)."
+        )
     element = _DTYPE_BYTES[dtype]
     if tensor_parallel_sizes is not None:
         for tp in tensor_parallel_sizes:

@@ -259,7 +259,8 @@ class ParallelCore:
                                               for optimizer in optimizers]
 
     def checkpoint_meta(self, world_size: int, global_step: int, epoch: int, network_prefix: str,
-                        network: nn.Module) -> CheckpointMeta:
+                        network: nn.Module, precision: str | None = None,
+                        losses: dict[str, float] | None = None) -> CheckpointMeta:
         """What `meta.json` records, with the network's config (a `transformers` config records its
         architecture, so that an export writes the model's own `config.json`)."""
         position = self.sample_position
@@ -272,6 +273,7 @@ class ParallelCore:
             consumed_samples=position.consumed,
             consumed_samples_in_epoch=position.consumed_in_epoch if position.epoch == epoch else 0,
             network_prefix=network_prefix, data_parallel_mode=self.data_parallel_mode, model_config=record,
+            precision=precision, **(losses or {}),
         )
 
     @staticmethod

@@ -173,7 +173,8 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         rest = {key: value for key, value in state.items() if key != model_key and key not in optimizers}
         rest[_KEYS] = {"model": model_key, "optimizers": list(optimizers)}
         step = state.get("step", 0)
-        meta = self.core.checkpoint_meta(self.world_size, step if isinstance(step, int) else 0, 0, "", module)
+        meta = self.core.checkpoint_meta(self.world_size, step if isinstance(step, int) else 0, 0, "", module,
+                                         str(self.precision.precision))
         self.core.save(path, *self.core.states_of(module, list(optimizers.values())), rest, meta)
 
     @override

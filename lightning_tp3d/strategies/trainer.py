@@ -48,6 +48,7 @@ from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config
+from lightning_tp3d.strategies.loss_watch import ResumeLossWatch
 from lightning_tp3d.strategies.options import ParallelOptions
 from lightning_tp3d.strategies.precision import (
     ModelParallelGradScaler,
@@ -143,6 +144,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self._async_checkpoint = async_checkpoint
         self._checkpoint_group: torch.distributed.ProcessGroup | None = None
         self._pending_save: PendingSave | None = None
+        self.loss_watch = ResumeLossWatch()
 
     # A network built on the meta device (in `configure_model`) is materialised as this rank's shard in
     # `setup` and initialised by its `init_weights()` (see `parallel.materialize`); modules may rely on it.
@@ -192,6 +194,17 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         if dataloader.generator is None:
             dataloader.generator = torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)))
         return dataloader
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's step; its loss feeds the resume watch (`strategies.loss_watch`)."""
+        output = super().training_step(*args, **kwargs)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            warning = self.loss_watch.record(loss, self.reduce)
+            if warning is not None:
+                rank_zero_warn(warning)
+        return output
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -301,7 +314,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self.finish_pending_save()
         model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         meta = self.core.checkpoint_meta(self.world_size, checkpoint.get("global_step", 0), checkpoint.get("epoch", 0),
-                                         self._model_attribute + ".", self.network)
+                                         self._model_attribute + ".", self.network,
+                                         str(self.precision_plugin.precision), self.loss_watch.summary(self.reduce))
         # Only inside a running fit, whose teardown finishes the save; a save after fit is synchronous.
         trainer_state = self.lightning_module.trainer.state
         asynchronous = (self._async_checkpoint and trainer_state.fn == TrainerFn.FITTING
@@ -327,9 +341,10 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         (loops, callbacks, LR schedulers). Files are always read with `weights_only=True`."""
         path = Path(self.broadcast(str(checkpoint_path)))
         self.finish_pending_save()
-        _, trainer_state = self.core.load(path, self.model, self.optimizers, self.lightning_module.strict_loading,
-                                          self.global_rank)
+        meta, trainer_state = self.core.load(path, self.model, self.optimizers, self.lightning_module.strict_loading,
+                                             self.global_rank)
         self._resume_position = replace(self.core.sample_position)
+        self.loss_watch.resumed(meta)
         return trainer_state
 
     # ------------------------------------------------------------------ collectives

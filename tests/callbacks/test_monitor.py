@@ -32,12 +32,14 @@ def run_world() -> dict[str, Any]:
         strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2)
         # pp 2 clips by a norm no gradient reaches: the logged norm is then the clipping's own
         clip = {"gradient_clip_val": 1e6} if pp > 1 else {}
+        # a peak no CPU reaches: MFU far below the 40% target, which must warn once with the causes
+        monitor = TP3DThroughputMonitor(window_size=2, available_flops=PEAK_FLOPS, mfu_target=0.40)
         trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, max_steps=STEPS, logger=logger,
-                                             callbacks=[TP3DThroughputMonitor(window_size=2,
-                                                                              available_flops=PEAK_FLOPS)], **clip))
+                                             callbacks=[monitor], **clip))
         trainer.fit(CausalLMModule("tiny", learning_rate=LEARNING_RATE),
                     TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=PER_RANK_BATCH, val_fraction=0.2))
         results[f"tp{tp}-pp{pp}"] = logger.records
+        results[f"tp{tp}-pp{pp}-mfu-warning"] = monitor.mfu_warning
     return results
 
 
@@ -83,3 +85,11 @@ def test_logged_gradient_norm_is_the_reference(records, name):
         norms = [value for _, key, value in rank[name] if key == "train/grad_norm"]
         assert len(norms) == STEPS
         assert norms[0] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tp2-pp1", "tp1-pp2"])
+def test_mfu_below_the_target_warns_once_with_the_causes(records, name):
+    warning = records[0][f"{name}-mfu-warning"]
+    assert warning.startswith("MFU ") and "is below the target 40% after warm-up" in warning
+    assert "exposed communication" in warning
+    assert ("the pipeline bubble (33% of each step at pp=2, num_microbatches=2" in warning) == (name == "tp1-pp2")

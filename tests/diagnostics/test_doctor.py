@@ -104,3 +104,36 @@ def test_diagnose_names_the_problem_and_the_fix():
                for w in diagnose(slow_tp, {}, uses_gpus=True))
     assert diagnose(DoctorReport("gloo", 4, {}, ["a"] * 4, []), {}, uses_gpus=True) == [
         "backend gloo on GPUs: use nccl (TP3DStrategy(process_group_backend='nccl'))."]
+
+
+def test_nccl_settings_floors_and_the_socket_fallback():
+    """The design documents' NCCL settings are reported and known-bad values named with the fix; on GPUs a
+    group below its absolute floor warns (NVLink inside a node, InfiniBand across nodes, overridable); an
+    NCCL_DEBUG=INFO log's transports are counted and NET/Socket across hosts is the fallback to TCP."""
+    from lightning_tp3d.diagnostics.nccl import nccl_settings, transports_in_log
+
+    environment = {"NCCL_P2P_LEVEL": "LOC", "NCCL_NET_GDR_LEVEL": "loc", "NCCL_BUFFSIZE": "65536",
+                   "NCCL_ALGO": "Ring", "NCCL_DEBUG": "TRACE", "NCCL_IB_HCA": "mlx5_0", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert nccl_settings(environment)["NCCL_IB_HCA"] == "mlx5_0" and nccl_settings({})["NCCL_ALGO"] is None
+    log = ("node0:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC\n"
+           "node0:1:2 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] via P2P/IPC/read\n"
+           "node0:1:2 [1] NCCL INFO Channel 00/0 : 1[1] -> 8[0] [send] via NET/Socket/0\n")
+    assert transports_in_log(log) == {"P2P/IPC": 2, "NET/Socket": 1}
+    report = DoctorReport("nccl", 16, {}, ["a"] * 8 + ["b"] * 8, [
+        _row("tp", (0, 1), ("a", "a"), 40.0), _row("tp", (8, 9), ("b", "b"), 160.0),
+        _row("dp", (0, 8), ("a", "b"), 4.0)], transports=transports_in_log(log))
+    warnings = diagnose(report, environment, uses_gpus=True)
+    expected = [
+        "NCCL_P2P_LEVEL=LOC never uses peer-to-peer between GPUs", "NCCL_NET_GDR_LEVEL=LOC turns GPUDirect RDMA off",
+        "NCCL_BUFFSIZE=65536 is under 1 MiB", "NCCL_ALGO=Ring forces an algorithm", "NCCL_DEBUG=TRACE logs every call",
+        "NCCL connected 1 channel(s) over NET/Socket (TCP) instead of InfiniBand",
+        "tp group [0, 1] reaches 40.00 GB/s, below the 100 GB/s floor for NVLink inside a node",
+        "dp group [0, 8] reaches 4.00 GB/s, below the 10 GB/s floor for InfiniBand across nodes"]
+    for start in expected:
+        assert any(warning.startswith(start) for warning in warnings), start
+    assert not any(warning.startswith("tp group [8, 9]") for warning in warnings)
+    relaxed = diagnose(report, {}, uses_gpus=True, floors_gbps={"intra_node": 30.0, "inter_node": 3.0})
+    assert not any("floor" in warning for warning in relaxed)
+    assert "NCCL settings: NCCL_IB_HCA=mlx5_0" in DoctorReport(
+        "nccl", 2, {"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "data_parallel_size": 1}, ["a", "a"],
+        nccl_settings=nccl_settings({"NCCL_IB_HCA": "mlx5_0"})).table()

@@ -258,7 +258,7 @@ def test_export_callback_refuses_a_users_folder_before_training(tmp_path):
 def test_check_names_the_first_corrupted_layer(exported, tmp_path, capsys):
     _, directory = exported
     assert tp3d(["check", str(directory / "hf"), "--checkpoint", str(directory / "final.ckpt")]) == 0
-    assert "consistency OK" in capsys.readouterr().out
+    assert "consistency PASS" in capsys.readouterr().out
     corrupted = tmp_path / "corrupted"
     corrupted.mkdir()
     (corrupted / "config.json").write_text((directory / "hf" / "config.json").read_text())
@@ -267,7 +267,45 @@ def test_check_names_the_first_corrupted_layer(exported, tmp_path, capsys):
     save_file(tensors, corrupted / "model.safetensors", metadata={"format": "pt"})
     assert tp3d(["check", str(corrupted), "--checkpoint", str(directory / "final.ckpt")]) == 1
     out = capsys.readouterr().out
-    assert "consistency FAILED" in out and "first layer over tolerance: model.layers.2" in out
+    assert "consistency FAIL" in out and "first layer over the PASS band: model.layers.2" in out
+
+
+def test_check_bands_pass_warn_fail_and_tell_a_precision_change_from_a_mismatch(exported, tmp_path, capsys):
+    """PASS <= 1e-3 < WARN <= 1e-2 < FAIL: one head weight moved so that the largest logit moves by exactly
+    5e-3 (WARN, exit 0 with a warning) or 5e-2 (FAIL, exit 1). A bf16 export passes against the weights
+    rounded to bf16 and reports the difference the dtype alone makes, with the training-precision warning."""
+    from lightning_tp3d.diagnostics.consistency import DEFAULT_PROMPT_LENGTHS, fixed_prompts, model_from_checkpoint
+
+    _, directory = exported
+    checkpoint = str(directory / "final.ckpt")
+    reference = model_from_checkpoint(checkpoint)
+    normed = []
+    handle = reference.model.norm.register_forward_hook(lambda module, inputs, output: normed.append(output))
+    with torch.no_grad():
+        for prompt in fixed_prompts(reference.config.vocab_size, DEFAULT_PROMPT_LENGTHS):
+            reference(prompt)
+    handle.remove()
+    largest = max(output[..., 0].abs().max().item() for output in normed)  # logit v moves by delta x h[..., 0]
+    for target, verdict, status in ((5e-3, "WARN", 0), (5e-2, "FAIL", 1)):
+        moved = tmp_path / verdict
+        moved.mkdir()
+        (moved / "config.json").write_text((directory / "hf" / "config.json").read_text())
+        tensors = load_file(directory / "hf" / "model.safetensors")
+        tensors["lm_head.weight"][0, 0] += target / largest
+        save_file(tensors, moved / "model.safetensors", metadata={"format": "pt"})
+        assert tp3d(["check", str(moved), "--checkpoint", checkpoint, "--json"]) == status
+        report = json.loads(capsys.readouterr().out)
+        assert report["verdict"] == verdict and report["max_abs_diff"] == pytest.approx(target, rel=1e-3), report
+        assert report["first_bad_layer"] == "model.norm / lm_head"
+    assert tp3d(["check", str(tmp_path / "WARN"), "--checkpoint", checkpoint]) == 0
+    assert "warning: max |logit diff| 5.000e-03 is above the PASS band (1e-03)" in capsys.readouterr().err
+    export_checkpoint(checkpoint, tmp_path / "bf16", dtype="bf16")
+    assert tp3d(["check", str(tmp_path / "bf16"), "--checkpoint", checkpoint, "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["verdict"] == "PASS" and report["max_abs_diff"] <= 1e-5, report
+    assert report["precision_max_abs_diff"] > 100 * report["max_abs_diff"]  # the rounding, told apart
+    assert "the export is bf16 but the model was trained in fp32" in captured.err
 
 
 # ---------------------------------------------------------------------- import
@@ -357,11 +395,9 @@ def test_large_export_is_sharded_streamed_and_loads(tmp_path):
         assert (served(prompt).logits - reference(prompt)).abs().max().item() <= TOLERANCE
 
 
-def test_fp32_consistency_tolerance_allows_cross_device_rounding_only_off_the_cpu():
-    from lightning_tp3d.diagnostics.consistency import default_tolerance, exact_fp32_matmuls
+def test_exact_fp32_matmuls_turns_tf32_off_inside_the_block():
+    from lightning_tp3d.diagnostics.consistency import exact_fp32_matmuls
 
-    assert default_tolerance("fp32") == 1e-5 and default_tolerance("fp32", "cuda") == 1e-4
-    assert default_tolerance("bf16", "cuda") == 1e-2
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     with exact_fp32_matmuls():

@@ -59,7 +59,8 @@ def test_fsdp_divides_state_by_dp_and_recompute_keeps_layer_inputs():
         seq_len=32, precision="32-true", recompute="full", recompute_num_layers=2)).stages[0]
     assert every_other.activation_bytes == (2 * layer + 2 * 32 * 64) * 4 + max(logits, (layer - 32 * 64) * 4)
     first_of_stage = training_ledger(config, ParallelLayout(pipeline_parallel_size=2), TrainingOptions(
-        seq_len=32, precision="32-true", recompute="full", recompute_method="block", recompute_num_layers=1))
+        seq_len=32, precision="32-true", recompute="full", recompute_method="block", recompute_num_layers=1,
+        schedule="gpipe"))  # one micro-batch: GPipe (1F1B needs one per stage)
     assert [stage.num_layers for stage in first_of_stage.stages] == [2, 2]
     assert first_of_stage.stages[0].activation_bytes == (layer + 32 * 64) * 4 + (layer - 32 * 64) * 4
 

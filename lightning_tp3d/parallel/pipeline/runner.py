@@ -16,8 +16,8 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from lightning_tp3d.parallel.pipeline.schedules import PIPELINE_SCHEDULES, PipelinePlan
 from lightning_tp3d.parallel.timing import DeviceInterval
+from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, PipelinePlan
 
 __all__ = ["PipelineRunner", "StageTiming"]
 

@@ -1,4 +1,5 @@
-"""Pipeline schedules and stage placement: which stages a pp rank runs and which layers each owns.
+"""Pipeline schedules and stage placement: which stages a pp rank runs and which layers each owns, the
+micro-batches a schedule needs, and its bubble (pure arithmetic; `parallel.pipeline` runs the schedules).
 
 Single-stage schedules (GPipe, 1F1B) put stage r on pp rank r; looped multi-stage schedules
 (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) put stages r, r + pp, r + 2 pp, ... on rank r;
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PIPELINE_SCHEDULES", "PipelinePlan", "plan_pipeline", "stages_per_rank_of"]
+__all__ = ["PIPELINE_SCHEDULES", "PipelinePlan", "bubble_fraction", "plan_pipeline", "stages_per_rank_of"]
 
 # user-facing name -> torch schedule class name
 PIPELINE_SCHEDULES: dict[str, str] = {
@@ -79,3 +80,11 @@ def plan_pipeline(
         last_pp_rank = pp_size - 1
     ranges = stage_ranges(num_stages)
     return PipelinePlan(schedule, num_stages, indices, tuple(ranges[i] for i in indices), last_pp_rank)
+
+
+def bubble_fraction(pp_size: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle share of a step for GPipe / 1F1B: (p - 1) / (m + p - 1); looped schedules with v stages per
+    rank divide the fill and drain by v: (p - 1) / (v m + p - 1). 0 without pipelining."""
+    if pp_size <= 1:
+        return 0.0
+    return (pp_size - 1) / (stages_per_rank * num_microbatches + pp_size - 1)
