@@ -229,10 +229,13 @@ def _run_check(args: argparse.Namespace) -> int:
                                         args.prompt_lengths or consistency.DEFAULT_PROMPT_LENGTHS)
     fail_above = args.tolerance if args.tolerance is not None else consistency.FAIL_ABOVE
     warn_above = args.warn_above if args.warn_above is not None else consistency.WARN_ABOVE
+    exported = consistency.run_with_layer_outputs(candidate, prompts)  # run once, compared twice below
     with consistency.rounded_to(reference, EXPORT_DTYPES[dtype]):
-        report = consistency.compare_models(reference, candidate, prompts, fail_above, warn_above)
+        rounded = consistency.run_with_layer_outputs(reference, prompts)
+    report = consistency.compare_outputs(rounded, exported, fail_above, warn_above)
     if dtype != "fp32":
-        report.precision_max_abs_diff = consistency.compare_models(reference, candidate, prompts).max_abs_diff
+        unrounded = consistency.run_with_layer_outputs(reference, prompts)
+        report.precision_max_abs_diff = consistency.compare_outputs(unrounded, exported).max_abs_diff
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
     if report.verdict == "WARN":
         print(f"warning: max |logit diff| {report.max_abs_diff:.3e} is above the PASS band ({warn_above:.0e});"

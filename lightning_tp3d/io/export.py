@@ -111,7 +111,8 @@ def export_checkpoint(
             f"{checkpoint} lacks {len(missing)} tensor(s) of a Llama model with its config, e.g. {missing[0]!r};"
             " it was not saved from a network with Hugging Face Llama names."
         )
-    names = required + [name for name in shapes if name not in required]  # e.g. Qwen2's q/k/v biases
+    extra = shapes.keys() - set(required)  # e.g. Qwen2's q/k/v biases
+    names = required + [name for name in shapes if name in extra]
 
     def load(name: str) -> torch.Tensor:
         return reader.load([prefix + name])[prefix + name]

@@ -18,9 +18,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_tp3d.parallel.data import DATA_PARALLEL_MODES
 from lightning_tp3d.parallel.paths import import_object
-from lightning_tp3d.parallel.pipeline import PipelineStages, stages_per_rank_of
+from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET, check_recompute_options
+from lightning_tp3d.plan.schedules import stages_per_rank_of
 
 __all__ = ["ParallelOptions"]
 
