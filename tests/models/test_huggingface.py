@@ -93,6 +93,8 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {
         "qwen2-tp2-pp2-dp1-1f1b-replicate": dict(architecture="qwen2", tp=2, pp=2, mode="replicate", export=True),
         "mistral-tp2-pp2-dp1-interleaved-fsdp": dict(architecture="mistral", tp=2, pp=2, mode="fsdp",
                                                      schedule="interleaved_1f1b"),
+        "llama-tp2-pp2-dp1-zbv-fsdp-full-recompute": dict(architecture="llama", tp=2, pp=2, mode="fsdp",
+                                                          schedule="zbv_zero_bubble", recompute="full"),
         "llama-from-pretrained-tp1-pp2-dp2-gpipe-replicate": dict(architecture="llama", tp=1, pp=2,
                                                                   mode="replicate", schedule="gpipe",
                                                                   from_pretrained="transformers"),
@@ -106,8 +108,8 @@ CONFIGURATIONS = {name: configuration for runs in RUNS.values() for name, config
 
 
 def _fit(directory: Path, name: str, architecture: str, tp: int, pp: int, mode: str, schedule: str = "1f1b",
-         export: bool = False, from_pretrained: str | None = None, save: bool = False, resume: bool = False
-         ) -> dict[str, Any]:
+         export: bool = False, from_pretrained: str | None = None, save: bool = False, resume: bool = False,
+         recompute: str = "none") -> dict[str, Any]:
     """`from_pretrained`: "transformers" (the module calls `from_pretrained`) or "shards" (the module builds
     on the meta device and the strategy's `pretrained=` reads each rank's slices)."""
     dp = world_size() // (tp * pp)
@@ -115,7 +117,7 @@ def _fit(directory: Path, name: str, architecture: str, tp: int, pp: int, mode: 
     consistency = ConsistencyCheck(directory / f"{name}-export") if export else None
     folder = directory / "pretrained"
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_schedule=schedule,
-                            num_microbatches=2, data_parallel_mode=mode,
+                            num_microbatches=2, data_parallel_mode=mode, recompute=recompute,
                             pretrained=folder if from_pretrained == "shards" else None)
     callbacks = [capture] + ([consistency] if export else [])
     if save:  # inside fit, at the last step: mid-epoch, as a run that goes on would save
