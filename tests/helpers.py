@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import lightning as L
@@ -138,6 +138,8 @@ def reference_run(
     parameter_dtype: torch.dtype | None = None,
     scaler_inf_step: int | None = None,
     loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    skip_steps: Collection[int] = (),
+    warmup_steps: int = 0,
 ) -> dict[str, Any]:
     """Plain single-process PyTorch: the same network, data order and AdamW as the module, no Lightning.
 
@@ -152,6 +154,9 @@ def reference_run(
     With `accumulate` = k, `last_batch_losses` holds what a run accumulating k batches per step logs: the
     loss of the last k-th of each step's samples (its dp ranks' last batches), before the update.
 
+    At `skip_steps` (1-based) the loss is computed but nothing is updated: no optimizer step, no scheduler
+    step. `warmup_steps` adds the module's linear warm-up (`LambdaLR`, stepped after every update).
+
     `loss_of(model, input_ids, labels)` computes a batch's loss (default: `model(input_ids, labels=labels)`,
     this package's contract; a Hugging Face model's is `model(input_ids=..., labels=input_ids).loss`)."""
     loss_of = loss_of or (lambda network, input_ids, labels: network(input_ids, labels=labels))
@@ -162,6 +167,8 @@ def reference_run(
     data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=global_batch_size, val_fraction=0.2)
     data.setup()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps)
+                                                  if warmup_steps else 1.0)
     losses, last_batch_losses, first_grads = [], [], None
     order = _training_sample_order(len(data.train_dataset))
     for step in range(steps):
@@ -183,9 +190,12 @@ def reference_run(
             first_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        losses.append(loss.item())
+        if step + 1 in skip_steps:
+            continue
         scaler.step(optimizer)
         scaler.update()
-        losses.append(loss.item())
+        scheduler.step()
     result = {"losses": losses, "last_batch_losses": last_batch_losses, "first_grads": first_grads,
               "final_params": {name: p.detach().clone() for name, p in model.named_parameters()}}
     if validate_batch_size is not None:

@@ -2,8 +2,8 @@
 
 `TP3DStrategyBase` comes first in each strategy's bases (before Lightning's `ModelParallelStrategy`):
 the layout resolved before launch, the mesh built when the environment is set up, the dp-rank sampler,
-the dp group as the default group of reductions, the strategy registration, and collectives inside
-hooks that name the group they are stuck in.
+the dp group as the default group of reductions, the skip of non-finite steps, the strategy
+registration, and collectives inside hooks that name the group they are stuck in.
 """
 
 from __future__ import annotations
@@ -11,11 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
 from lightning_tp3d.diagnostics.doctor import DoctorReport
 from lightning_tp3d.parallel.collectives import enable_collective_recording, naming_stuck_collectives
+from lightning_tp3d.parallel.mesh import mesh_device
 from lightning_tp3d.parallel.pipeline import StageTiming
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.strategies.core import ParallelCore
+from lightning_tp3d.strategies.non_finite import NonFiniteStepGuard
 
 __all__ = ["TP3DStrategyBase", "name_stuck_collectives_in"]
 
@@ -42,6 +48,24 @@ class TP3DStrategyBase:
     def pipeline_timing(self) -> StageTiming | None:
         """This rank's busy and idle time in the last pipelined training step (None without pipelining)."""
         return None if self.core.pipeline is None else self.core.pipeline.timing
+
+    @property
+    def step_guard(self) -> NonFiniteStepGuard:
+        """Decides and counts the skipped non-finite steps (`skipped_steps`, `last_step_skipped`)."""
+        if getattr(self, "_step_guard", None) is None:
+            self._step_guard = NonFiniteStepGuard(self.core.options.max_consecutive_skips)
+        return self._step_guard
+
+    def _skips_non_finite_step(self, loss: torch.Tensor | None, parameters: Iterable[nn.Parameter], step: int,
+                               scaler: Any) -> bool:
+        """True (on every rank) when this step's update must be skipped, see `strategies.non_finite`; off
+        with `skip_non_finite_steps=False` and under an fp16 loss scaler, which skips steps itself."""
+        if not self.core.options.skip_non_finite_steps or (scaler is not None and scaler.is_enabled()):
+            return False
+        if not self.step_guard.check(loss, parameters, step, mesh_device(self.core.mesh)):
+            return False
+        rank_zero_warn(self.step_guard.describe_skip(step))
+        return True
 
     def _configure_launcher(self) -> None:
         # Called once devices and nodes are known, before any process is launched.

@@ -35,7 +35,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import Optimizable, ReduceOp
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim import Optimizer
@@ -100,6 +100,8 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         recompute_target: str = DEFAULT_SELECTIVE_TARGET,
         pretrained: str | Path | None = None,
         preflight: bool = False,
+        skip_non_finite_steps: bool = True,
+        max_consecutive_skips: int = 5,
     ) -> None:
         super().__init__(parallelize_fn=self._parallelize, data_parallel_size=data_parallel_size,
                          tensor_parallel_size=tensor_parallel_size, save_distributed_checkpoint=True,
@@ -108,6 +110,8 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self._backward_sync_control = _BackwardSyncControl(self)
         self._gradient_sync = True
         self._network: nn.Module | None = None
+        self._last_loss: torch.Tensor | None = None
+        self._optimizer_steps = 0
 
     @override
     def setup_environment(self) -> None:
@@ -131,12 +135,24 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         (the returned loss, scaled by the loop, e.g. `loss / k` when accumulating) fixes the factor the
         schedule's gradients are added with."""
         super().backward(tensor, module, *args, **kwargs)
+        self._last_loss = tensor.detach()
         if self.core.pipeline is not None:
             self.core.take_pipeline_gradients()
         # `fabric.backward(loss)` without `model=` passes no module: reduce the network this strategy set up.
         network = module if module is not None else self._network
         if self._gradient_sync and network is not None:
             self.core.all_reduce_gradients(network.parameters())
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """The update, unless the last backward's loss or a gradient is not finite on any rank: then every
+        rank skips it and returns None (`step_guard.last_step_skipped`; a loop's own LR scheduler should
+        skip its step too). See `strategies.non_finite`."""
+        step, self._optimizer_steps = self._optimizer_steps, self._optimizer_steps + 1
+        parameters = [parameter for group in getattr(optimizer, "param_groups", []) for parameter in group["params"]]
+        if self._skips_non_finite_step(self._last_loss, parameters, step, getattr(self.precision, "scaler", None)):
+            return None
+        return super().optimizer_step(optimizer, **kwargs)
 
     @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
@@ -201,5 +217,6 @@ def _split_state(state: Mapping[str, Any]) -> tuple[str, nn.Module, dict[str, Op
     return modules[0], state[modules[0]], optimizers
 
 
-name_stuck_collectives_in(TP3DFabricStrategy, ("backward", "clip_gradients_norm", "save_checkpoint", "load_checkpoint",
+name_stuck_collectives_in(TP3DFabricStrategy, ("backward", "optimizer_step", "clip_gradients_norm", "save_checkpoint",
+                                               "load_checkpoint",
                                                "all_reduce", "barrier", "broadcast"))

@@ -53,6 +53,8 @@ class ParallelOptions:
     recompute_target: str = DEFAULT_SELECTIVE_TARGET
     pretrained: str | Path | None = None
     preflight: bool = False
+    skip_non_finite_steps: bool = True
+    max_consecutive_skips: int = 5
 
     def __post_init__(self) -> None:
         normalised = {
@@ -79,6 +81,11 @@ class ParallelOptions:
                     f"num_microbatches={m} < pipeline_parallel_size={pp}: the pipeline bubble is at least"
                     f" {bubble:.0%} of each step; use num_microbatches >= pipeline_parallel_size."
                 )
+        if self.max_consecutive_skips < 1:
+            raise ValueError(
+                f"max_consecutive_skips={self.max_consecutive_skips} must be >= 1 (non-finite steps in a row after"
+                " which training stops); turn the check off with skip_non_finite_steps=False."
+            )
         check_recompute_options(self.recompute, self.recompute_method, self.recompute_num_layers)
         if self.data_parallel_mode not in DATA_PARALLEL_MODES:
             raise ValueError(

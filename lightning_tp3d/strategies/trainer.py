@@ -49,6 +49,7 @@ from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config
 from lightning_tp3d.strategies.loss_watch import ResumeLossWatch
+from lightning_tp3d.strategies.non_finite import hold_schedulers_on_skipped_steps, release_schedulers
 from lightning_tp3d.strategies.options import ParallelOptions
 from lightning_tp3d.strategies.precision import (
     ModelParallelGradScaler,
@@ -100,6 +101,10 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
             sharded, each rank reading only its own slices (a resumed checkpoint then overrides them).
         preflight: measure each mesh dimension's links when the mesh is built (`tp3d doctor`'s figures at
             1 MiB), log the table and warn with fixes; the report is kept in `preflight_report`.
+        skip_non_finite_steps: when the loss or a gradient is NaN/inf on any rank, every rank skips the
+            update and the step-interval LR schedulers (see `strategies.non_finite`); the total is logged as
+            `skipped_steps`. An fp16 loss scaler skips steps itself.
+        max_consecutive_skips: skipped steps in a row after which training stops with `NonFiniteStepsError`.
 
     Mixed precision: `Trainer(precision="bf16-mixed" | "bf16-true")`, or for fp16 with a loss scaler that
     every rank agrees on, `Trainer(plugins=[TP3DPrecision("16-mixed")])` (see `lightning_tp3d.strategies.precision`).
@@ -130,6 +135,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         recompute_target: str = DEFAULT_SELECTIVE_TARGET,
         pretrained: str | Path | None = None,
         preflight: bool = False,
+        skip_non_finite_steps: bool = True,
+        max_consecutive_skips: int = 5,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -257,6 +264,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            hold_schedulers_on_skipped_steps(self.lightning_module, self.lr_scheduler_configs, self.step_guard)
         self._route_gradient_clipping()
 
     # ------------------------------------------------------------------ step
@@ -274,13 +282,28 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """All-reduce the gradients after the (last accumulated) backward, before unscaling, clipping and the
+        update; skip the update on every rank when a loss or gradient is not finite on any
+        (`strategies.non_finite`): no parameter, optimizer state or step-interval LR scheduler moves."""
+        trainer = self.lightning_module.trainer
+        scaler = getattr(self.precision_plugin, "scaler", None)
+
         def closure_then_all_reduce() -> Any:
-            # After the (last accumulated) backward, before unscaling, clipping and the update.
             result = closure()
-            self.core.all_reduce_gradients(self.lightning_module.parameters())
+            parameters = list(self.lightning_module.parameters())
+            self.core.all_reduce_gradients(parameters)
+            if self._skips_non_finite_step(result, parameters, trainer.global_step, scaler):
+                raise _SkippedStep
             return result
 
-        return super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
+        try:
+            return super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
+        except _SkippedStep:
+            return None
+        finally:
+            if self.step_guard.skipped_steps:
+                self.lightning_module.log("skipped_steps", float(self.step_guard.skipped_steps), on_step=True,
+                                          on_epoch=False)
 
     def _route_gradient_clipping(self) -> None:
         """Make Lightning's `gradient_clip_val` clip by the global norm over tp, dp shards and pp.
@@ -332,6 +355,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self.finish_pending_save()
+        if self.lightning_module is not None:
+            release_schedulers(self.lightning_module)
         super().teardown()
 
     @override
@@ -354,6 +379,10 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
     ) -> torch.Tensor | Any:
         """Over the dp group by default (see `TP3DStrategyBase._reduction_group`)."""
         return super().reduce(tensor, group=self._reduction_group(group), reduce_op=reduce_op)
+
+
+class _SkippedStep(Exception):
+    """Raised inside the optimizer's closure to leave `optimizer.step` before it updates anything."""
 
 
 name_stuck_collectives_in(TP3DStrategy, ("training_step", "validation_step", "test_step", "predict_step",
