@@ -2,13 +2,16 @@
 
     python benchmarks/step_time.py            # 2 processes, CPU/gloo; prints a table and writes JSON
 
-Side by side in one session, same model, data and optimizer, median step time over the steps after a
-warm-up (measured per rank from the start to the end of each training batch, slowest rank), the
-strategies alternated over several rounds (median of the rounds):
+Side by side in one session, same model, data and optimizer; a run's figure is its median step time
+over the steps after a warm-up (measured per rank from the start to the end of each training batch,
+slowest rank). Each comparison runs its baseline and candidate back to back in every round (the order
+alternating) and reports the median over rounds of the per-round ratio candidate / baseline:
 
 * data parallel 2: `TP3DStrategy(data_parallel_size=2)` vs `DDPStrategy`;
 * tensor parallel 2: `TP3DStrategy(tensor_parallel_size=2)` vs `ModelParallelStrategy` given the same
   DTensor plan (`llama_tp_plan`) through its `parallelize_fn`;
+* activation recompute: `recompute="full"` and `"selective"` vs none, at data parallel 2 (full
+  recompute repeats each block's forward in backward: (F + B + F) / (F + B) = 4/3 when B = 2F);
 * pipeline parallel 2: the idle fraction of each rank (`TP3DStrategy.pipeline_timing`) for GPipe and
   1F1B at 2, 4 and 8 micro-batches vs the theoretical bubble (p - 1) / (m + p - 1).
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +34,7 @@ from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.parallel.tensor import apply_tensor_parallel, llama_tp_plan
 
-from common import CONFIG, StepRecorder, benchmark_trainer
+from common import CONFIG, MACHINE, StepRecorder, benchmark_trainer
 
 
 def _tensor_parallel(module: CausalLMModule, mesh: Any) -> CausalLMModule:
@@ -60,52 +65,62 @@ def _with_parallelize(module: CausalLMModule) -> Any:
     return configure_model
 
 
+# name -> (baseline, candidate): each round runs both back to back (order alternating between rounds) and
+# the reported ratio is the median over rounds of candidate / baseline within the round.
+PAIRS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+    "data parallel 2: tp3d / DDPStrategy": (DDPStrategy, TP3DStrategy),
+    "tensor parallel 2: tp3d / ModelParallelStrategy": (
+        lambda: ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+        lambda: TP3DStrategy(tensor_parallel_size=2)),
+    "recompute full / none (tp3d dp=2)": (TP3DStrategy, lambda: TP3DStrategy(recompute="full")),
+    "recompute selective / none (tp3d dp=2)": (TP3DStrategy, lambda: TP3DStrategy(recompute="selective")),
+}
+
+
+def _paired_rounds(make_baseline: Callable[[], Any], make_candidate: Callable[[], Any], rounds: int,
+                   args: argparse.Namespace) -> dict[str, Any]:
+    pairs = []
+    for index in range(rounds):
+        makers = (make_baseline, make_candidate) if index % 2 == 0 else (make_candidate, make_baseline)
+        first, second = (_run(make(), args.steps, args.batch, args.seq_len)["median_step_seconds"] for make in makers)
+        baseline, candidate = (first, second) if index % 2 == 0 else (second, first)
+        pairs.append({"baseline_seconds": baseline, "candidate_seconds": candidate, "ratio": candidate / baseline})
+    return {"median_ratio": statistics.median(pair["ratio"] for pair in pairs),
+            "median_baseline_seconds": statistics.median(pair["baseline_seconds"] for pair in pairs),
+            "median_candidate_seconds": statistics.median(pair["candidate_seconds"] for pair in pairs),
+            "rounds": pairs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=13)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--output", default="benchmarks/step_time_cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    baselines = {
-        "ddp": DDPStrategy,
-        "tp3d dp=2": TP3DStrategy,
-        "ModelParallelStrategy tp=2": lambda: ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
-        "tp3d tp=2": lambda: TP3DStrategy(tensor_parallel_size=2),
-    }
-    # Alternate the strategies over several rounds: on a shared CPU, whichever runs first or during a noisy
-    # moment is slower; each figure is the median over rounds of the per-round median step time.
-    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in baselines}
-    for _ in range(args.rounds):
-        for name, make in baselines.items():
-            rounds[name].append(_run(make(), args.steps, args.batch, args.seq_len))
-    runs: dict[str, Any] = {
-        name: {"median_step_seconds": statistics.median(r["median_step_seconds"] for r in results),
-               "rounds": [r["median_step_seconds"] for r in results], "idle_fraction": None}
-        for name, results in rounds.items()
-    }
+    results: dict[str, Any] = {"command": [sys.executable, *sys.argv], "machine": MACHINE,
+                               "paired": {name: _paired_rounds(*makers, args.rounds, args)
+                                          for name, makers in PAIRS.items()},
+                               "pipeline": {}}
     for schedule in ("gpipe", "1f1b"):
         for microbatches in (2, 4, 8):
             strategy = TP3DStrategy(pipeline_parallel_size=2, pipeline_schedule=schedule,
                                     num_microbatches=microbatches)
-            runs[f"tp3d pp=2 {schedule} m={microbatches}"] = _run(strategy, args.steps, args.batch, args.seq_len)
+            run = _run(strategy, args.steps, args.batch, args.seq_len)
+            run["theory_idle_fraction"] = 1 / (microbatches + 1)
+            results["pipeline"][f"{schedule} m={microbatches}"] = run
     if torch.distributed.get_rank() != 0:
         return
-    runs["ratio tp3d dp=2 / ddp"] = runs["tp3d dp=2"]["median_step_seconds"] / runs["ddp"]["median_step_seconds"]
-    runs["ratio tp3d tp=2 / ModelParallelStrategy"] = (runs["tp3d tp=2"]["median_step_seconds"]
-                                                      / runs["ModelParallelStrategy tp=2"]["median_step_seconds"])
-    for name, result in runs.items():
-        if isinstance(result, dict):
-            theory = ""
-            if result["idle_fraction"] is not None:
-                microbatches = int(name.rsplit("=", 1)[1])
-                theory = f"  idle {result['idle_fraction']:.1%} (theory {1 / (microbatches + 1):.1%})"
-            print(f"{name:32s} {result['median_step_seconds'] * 1e3:8.1f} ms{theory}")
-        else:
-            print(f"{name:42s} {result:.3f}")
-    Path(args.output).write_text(json.dumps(runs, indent=2))
+    for name, result in results["paired"].items():
+        rounds = ", ".join(f"{pair['ratio']:.3f}" for pair in result["rounds"])
+        print(f"{name:48s} {result['median_baseline_seconds'] * 1e3:7.1f} -> "
+              f"{result['median_candidate_seconds'] * 1e3:7.1f} ms  ratio {result['median_ratio']:.3f} ({rounds})")
+    for name, run in results["pipeline"].items():
+        print(f"pp=2 {name:12s} {run['median_step_seconds'] * 1e3:7.1f} ms  idle {run['idle_fraction']:.1%}"
+              f" (theory {run['theory_idle_fraction']:.1%})")
+    Path(args.output).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

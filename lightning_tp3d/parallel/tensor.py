@@ -9,7 +9,12 @@ The default plan for Llama names is Megatron's:
   (the weight along dim 1); the partial sums are all-reduced over tp;
 * the embedding is vocab parallel (the weight split along dim 0 over the vocabulary, the looked-up
   rows all-reduced) and the head column parallel over the vocabulary, its logits gathered;
-* norms stay replicated.
+* norms stay replicated;
+* the attention and MLP sub-blocks take their input as a DTensor replicated over tp
+  (`ReplicateBlockInput`): the column-parallel projections reading it (q, k, v; gate, up) then add their
+  input gradients as partial sums and one all-reduce per sub-block completes them, Megatron's fused
+  count. Without it each projection all-reduces its own input gradient: 5 backward all-reduces of
+  b x s x h per layer instead of 2.
 
 DTensor has no sharded rule for the embedding's backward, so the vocab-parallel embedding's gradient
 comes back replicated: the full V x h matrix on every tp rank (for a 102,400 x 4,096 vocabulary 1.7 GB in
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +43,7 @@ from lightning_tp3d.parallel.paths import import_object
 from lightning_tp3d.plan.sharding import EMBEDDING, HEAD, LAYER_WEIGHTS
 
 __all__ = [
+    "ReplicateBlockInput",
     "TensorParallelPlan",
     "apply_tensor_parallel",
     "check_plan_matches",
@@ -48,6 +56,31 @@ __all__ = [
 TensorParallelPlan = Mapping[str, ParallelStyle]
 
 
+class ReplicateBlockInput(ParallelStyle):
+    """Hand a sub-block its input (first positional argument, else the `hidden_states` keyword, as Hugging
+    Face layers pass it) as a DTensor replicated over tp. In backward the gradients its column-parallel
+    projections send back are partial sums; they add up as such and are all-reduced once, where the
+    DTensor was made, instead of once per projection."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(partial(_replicate_input, device_mesh), with_kwargs=True)
+        return module
+
+
+def _replicate_input(mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def replicated(tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
+            return tensor
+        return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False)
+
+    if args:
+        return (replicated(args[0]), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": replicated(kwargs["hidden_states"])}
+    return args, kwargs
+
+
 def llama_tp_plan() -> dict[str, ParallelStyle]:
     """Plan for Hugging Face Llama names, relative to the `LlamaForCausalLM` root, from the split table
     `plan.sharding` (the one the deploy shards and the ledger use)."""
@@ -56,6 +89,8 @@ def llama_tp_plan() -> dict[str, ParallelStyle]:
         HEAD.module: ColwiseParallel(output_layouts=Replicate()),
     }
     layer_styles = {"column": ColwiseParallel, "row": RowwiseParallel}
+    for sub_block in sorted({weight.module.split(".")[0] for weight in LAYER_WEIGHTS if weight.split == "column"}):
+        plan[f"model.layers.*.{sub_block}"] = ReplicateBlockInput()
     for weight in LAYER_WEIGHTS:
         if weight.split in layer_styles:
             plan[f"model.layers.*.{weight.module}"] = layer_styles[weight.split]()

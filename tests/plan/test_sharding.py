@@ -6,7 +6,7 @@ import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_tp3d.models import LlamaForCausalLM
-from lightning_tp3d.parallel.tensor import llama_tp_plan
+from lightning_tp3d.parallel.tensor import ReplicateBlockInput, llama_tp_plan
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig
 from lightning_tp3d.plan.sharding import (
     LAYER_WEIGHTS,
@@ -28,9 +28,13 @@ def test_table_names_and_shapes_are_the_reference_decoders() -> None:
 
 def test_tp_plan_styles_follow_the_split_dims() -> None:
     expected_dim = {ColwiseParallel: 0, RowwiseParallel: 1}
-    for pattern, style in llama_tp_plan().items():
-        if pattern.startswith("model.layers."):
+    plan = llama_tp_plan()
+    for pattern, style in plan.items():
+        if pattern.startswith("model.layers.") and not isinstance(style, ReplicateBlockInput):
             assert split_dim(pattern.replace("*", "0") + ".weight") == expected_dim[type(style)], pattern
+    # The sub-blocks whose column-parallel projections share one input get it replicated once.
+    assert {pattern for pattern, style in plan.items() if isinstance(style, ReplicateBlockInput)} == {
+        "model.layers.*.self_attn", "model.layers.*.mlp"}
     assert split_dim("model.embed_tokens.weight") == 0 and split_dim("lm_head.weight") == 0
     assert split_dim("model.layers.5.input_layernorm.weight") is None and split_dim("model.norm.weight") is None
 
