@@ -1,0 +1,187 @@
+"""The communication ledger: what each rank sends over each mesh group (tp, pp, dp) in one training step.
+
+Per optimizer step and per rank of each pipeline stage, every collective and point-to-point transfer
+this package issues, from the layout, the model shape and the training options. Notation as in
+`plan.ledger`: h hidden, V vocab, t tp, p pp, d dp, m micro-batches, b micro-batch size, s sequence
+length, k gradient-accumulation steps, L_i the layers of stage i, P_i the stage's parameters on a tp
+rank. A "payload" is the tensor each rank hands to the collective (its input); the bytes a rank puts on
+the wire follow the ring algorithms NCCL and gloo use:
+
+    all-reduce     2 (n - 1) / n x payload      (reduce-scatter + all-gather)
+    all-gather     (n - 1) x payload            (payload = this rank's shard)
+    reduce-scatter (n - 1) / n x payload        (payload = the full tensor)
+    send           payload
+
+tp (Megatron's count, per micro-batch and pass, k m passes per step):
+    forward:  2 all-reduces of b s h per layer (the row-parallel o and down outputs); stage 0 adds one
+              for the vocab-parallel embedding; the last stage all-gathers its b s V / t logits.
+    backward: 2 all-reduces of b s h per layer (the input gradients of the attention and MLP
+              sub-blocks, each made once: `parallel.tensor.ReplicateBlockInput`); the last stage adds one
+              for the head's input gradient. A layer under `full` recompute repeats its forward's 2.
+pp (per micro-batch, k m per step): a stage that is not last sends its b s h output forward; a stage
+    that is not first sends the b s h input gradient back. So first and last stages send k m b s h
+    elements, middle stages 2 k m b s h.
+dp `replicate`: the stage's gradients, one all-reduce of P_i (one bucket per gradient dtype) per step.
+dp `fsdp` (FSDP2, one unit per block plus one for the stage's other parameters): per unit one
+    all-gather of its shard (each parameter's dim 0 padded to a multiple of d) per step under
+    pipelining (parameters stay gathered through the step), two otherwise (forward, and again in
+    backward), and one reduce-scatter of the padded unit; k times each when accumulating.
+    gloo has no reduce-scatter: FSDP2 all-reduces the same payload there (`backend="gloo"`).
+Element sizes: under `32-true` everything is fp32. Under 16-bit autocast (`bf16-mixed`, `16-mixed`) the
+    row-parallel outputs and the logits are 16-bit, while the residual stream, its gradients (the tp
+    backward all-reduces and pp transfers), the embedding output and the fp32 gradients stay 4 bytes.
+    `bf16-true` is 2 bytes throughout.
+Control scalars (the non-finite-step flag over all ranks, the loss broadcast over pp, logged metrics)
+    are a few bytes per step and are not counted.
+
+Estimated time per group = sent bytes / link bandwidth. What overlap can hide: FSDP2 prefetches the
+next unit's all-gather and reduce-scatters while computing, and pipeline sends are asynchronous; the tp
+all-reduces sit on the critical path, and the `replicate` all-reduce runs after backward (exposed).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_tp3d.plan.config import ModelConfig
+from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.plan.ledger import TrainingOptions
+from lightning_tp3d.plan.recompute import recomputed_layers
+from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, LAYER_WEIGHTS, WeightSplit
+
+__all__ = ["GROUPS", "HIDDEN_BY_OVERLAP", "CommunicationLedger", "Transfer", "communication_ledger"]
+
+GROUPS = ("tp", "pp", "dp")
+# Operations that overlap with compute (see the module docstring); the rest is exposed.
+HIDDEN_BY_OVERLAP = {("dp", "all_gather"), ("dp", "reduce_scatter"), ("pp", "send")}
+_RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1,
+                "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """`count` calls per step of `operation` over `group`, each with a payload of `elements`."""
+
+    group: str
+    operation: str
+    count: int
+    elements: int
+    element_bytes: int
+    what: str
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.count * self.elements * self.element_bytes
+
+    def sent_bytes(self, group_size: int) -> float:
+        return _RING_FACTOR[self.operation](group_size) * self.payload_bytes
+
+
+@dataclass(frozen=True)
+class CommunicationLedger:
+    group_sizes: dict[str, int]
+    stages: list[list[Transfer]]  # per pipeline stage, what one of its ranks issues per step
+
+    def totals(self, stage: int) -> dict[str, dict[str, float]]:
+        """Per group: calls, payload bytes and bytes sent per step by one rank of `stage`."""
+        result = {group: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0} for group in GROUPS}
+        for transfer in self.stages[stage]:
+            total = result[transfer.group]
+            total["calls"] += transfer.count
+            total["payload_bytes"] += transfer.payload_bytes
+            total["sent_bytes"] += transfer.sent_bytes(self.group_sizes[transfer.group])
+        return result
+
+    def seconds(self, stage: int, bandwidth: dict[str, float]) -> dict[str, dict[str, float]]:
+        """Per group: estimated seconds on links of `bandwidth` bytes/s, and the part overlap can hide."""
+        result = {}
+        for group in GROUPS:
+            transfers = [transfer for transfer in self.stages[stage] if transfer.group == group]
+            total = sum(transfer.sent_bytes(self.group_sizes[group]) for transfer in transfers) / bandwidth[group]
+            hidden = sum(transfer.sent_bytes(self.group_sizes[group]) for transfer in transfers
+                         if (group, transfer.operation) in HIDDEN_BY_OVERLAP) / bandwidth[group]
+            result[group] = {"seconds": total, "hideable_seconds": hidden}
+        return result
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group_sizes": self.group_sizes,
+                "stages": [{"stage": stage, "per_group": self.totals(stage),
+                            "transfers": [transfer.__dict__ | {"payload_bytes": transfer.payload_bytes,
+                                                               "sent_bytes": transfer.sent_bytes(
+                                                                   self.group_sizes[transfer.group])}
+                                          for transfer in transfers]}
+                           for stage, transfers in enumerate(self.stages)]}
+
+
+def _local_shape(weight: WeightSplit, config: ModelConfig, tp: int) -> tuple[int, ...]:
+    shape = list(weight.shape(config))
+    if weight.dim is not None:
+        shape[weight.dim] //= tp
+    return tuple(shape)
+
+
+def _fsdp_shard(shapes: list[tuple[int, ...]], dp: int) -> int:
+    """Elements of one dp rank's FSDP2 shard of a unit: each parameter's dim 0 padded to a multiple of d."""
+    return sum(-(-shape[0] // dp) * math.prod(shape[1:]) for shape in shapes)
+
+
+def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: TrainingOptions,
+                         backend: str = "nccl") -> CommunicationLedger:
+    """Per-step transfers of one rank of every pipeline stage (see the module docstring)."""
+    layout.validate_model(config)
+    tp, pp, dp = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size
+    h, vocab = config.hidden_size, config.vocab_size
+    passes = layout.gradient_accumulation_steps * layout.num_microbatches
+    tokens = layout.micro_batch_size * options.seq_len
+    sixteen_bit = options.precision != "32-true"
+    low = 2 if sixteen_bit else 4  # autocast outputs
+    stream = 2 if options.precision == "bf16-true" else 4  # residual stream, its gradients, fp32 master grads
+    layer_shapes = [_local_shape(weight, config, tp) for weight in LAYER_WEIGHTS]
+    stages: list[list[Transfer]] = []
+    for stage, layers in enumerate(layout.stage_layer_ranges(config.num_hidden_layers)):
+        first, last = stage == 0, stage == pp - 1
+        recomputed = 0
+        if options.recompute == "full":
+            recomputed = len(recomputed_layers([layers], options.recompute_method, options.recompute_num_layers))
+        transfers: list[Transfer] = []
+        if tp > 1:
+            transfers.append(Transfer("tp", "all_reduce", passes * 2 * (len(layers) + recomputed), tokens * h, low,
+                                      "row-parallel outputs (o, down), forward and recomputed forward"))
+            transfers.append(Transfer("tp", "all_reduce", passes * (2 * len(layers) + last), tokens * h, stream,
+                                      "input gradients of attention, MLP" + (" and the head" if last else "")))
+            if first:
+                transfers.append(Transfer("tp", "all_reduce", passes, tokens * h, stream, "vocab-parallel embedding"))
+            if last:
+                transfers.append(Transfer("tp", "all_gather", passes, tokens * vocab // tp, low, "logits"))
+        if pp > 1:
+            sends = (not last) + (not first)
+            transfers.append(Transfer("pp", "send", passes * sends, tokens * h, stream,
+                                      "activations forward, their gradients back"))
+        if dp > 1:
+            root_shapes = []
+            if first:
+                root_shapes.append(_local_shape(EMBEDDING, config, tp))
+            if last:
+                root_shapes.append(_local_shape(FINAL_NORM, config, tp))
+                if not (config.tie_word_embeddings and first):
+                    root_shapes.append(_local_shape(HEAD, config, tp))
+            if options.data_parallel_mode == "replicate":
+                elements = len(layers) * sum(math.prod(shape) for shape in layer_shapes)
+                elements += sum(math.prod(shape) for shape in root_shapes)
+                transfers.append(Transfer("dp", "all_reduce", 1, elements, stream, "gradients (one bucket)"))
+            else:
+                reduce = "reduce_scatter" if backend != "gloo" else "all_reduce"
+                steps = layout.gradient_accumulation_steps  # FSDP2 reduces after every accumulated batch
+                gathers = steps * (1 if pp > 1 else 2)
+                units: list[tuple[list[tuple[int, ...]], int, str]] = [
+                    (layer_shapes, gathers, f"block {index}") for index in layers]
+                if root_shapes:
+                    units.append((root_shapes, gathers, "stage root (embedding / norm / head)"))
+                for shapes, gathered, name in units:
+                    shard = _fsdp_shard(shapes, dp)
+                    transfers.append(Transfer("dp", "all_gather", gathered, shard, stream, f"parameters of {name}"))
+                    transfers.append(Transfer("dp", reduce, steps, shard * dp, stream, f"gradients of {name}"))
+        stages.append(transfers)
+    return CommunicationLedger({"tp": tp, "pp": pp, "dp": dp}, stages)
