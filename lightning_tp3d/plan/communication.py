@@ -51,11 +51,14 @@ from lightning_tp3d.plan.ledger import TrainingOptions
 from lightning_tp3d.plan.recompute import recomputed_layers
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, LAYER_WEIGHTS, WeightSplit
 
-__all__ = ["GROUPS", "HIDDEN_BY_OVERLAP", "CommunicationLedger", "Transfer", "communication_ledger"]
+__all__ = ["DEFAULT_LINKS_GBPS", "GROUPS", "HIDDEN_BY_OVERLAP", "CommunicationLedger", "Transfer",
+           "communication_ledger", "group_bandwidths", "groups_inside_a_node"]
 
 GROUPS = ("tp", "pp", "dp")
 # Operations that overlap with compute (see the module docstring); the rest is exposed.
 HIDDEN_BY_OVERLAP = {("dp", "all_gather"), ("dp", "reduce_scatter"), ("pp", "send")}
+# Bus bandwidth of a link (GB/s, 10^9 bytes), `tp3d doctor`'s floors: NVLink inside a node, InfiniBand across.
+DEFAULT_LINKS_GBPS = {"intra_node": 100.0, "inter_node": 10.0}
 _RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1,
                 "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1}
 
@@ -185,3 +188,20 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
                     transfers.append(Transfer("dp", reduce, steps, shard * dp, stream, f"gradients of {name}"))
         stages.append(transfers)
     return CommunicationLedger({"tp": tp, "pp": pp, "dp": dp}, stages)
+
+
+def groups_inside_a_node(layout: ParallelLayout, gpus_per_node: int) -> dict[str, bool]:
+    """Whether each group's ranks share a node. Ranks are numbered over the ("pp", "dp", "tp") mesh with tp
+    innermost, so a tp group spans t consecutive ranks, a dp group t d, a pp group the whole world."""
+    tp, dp = layout.tensor_parallel_size, layout.data_parallel_size
+    spans = {"tp": tp, "dp": tp * dp, "pp": layout.world_size}
+    return {group: span <= gpus_per_node and gpus_per_node % span == 0 for group, span in spans.items()}
+
+
+def group_bandwidths(layout: ParallelLayout, gpus_per_node: int, links_gbps: dict[str, float] | None = None,
+                     given_gbps: dict[str, float] | None = None) -> dict[str, float]:
+    """Bytes/s of each group's links: `given_gbps` where given, else the intra- or inter-node link."""
+    links = {**DEFAULT_LINKS_GBPS, **(links_gbps or {})}
+    inside = groups_inside_a_node(layout, gpus_per_node)
+    return {group: 1e9 * (given_gbps or {}).get(group, links["intra_node" if inside[group] else "inter_node"])
+            for group in GROUPS}

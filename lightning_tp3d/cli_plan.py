@@ -1,0 +1,200 @@
+"""`tp3d plan`: validate a layout against a model and print its ledgers, or size a server, or advise a layout.
+
+    tp3d plan deepseek-llm-7b --tp 8 --pp 4 --dp 2 --num-microbatches 8 --seq-len 4096
+    tp3d plan deepseek-llm-7b --tp 8 --pp 4 --dp 2 --bandwidth tp=150GB pp=25GB dp=25GB --json
+    tp3d plan deepseek-llm-67b --serve --gpu-memory 80GiB --max-model-len 4096 --deploy-tp 4 8
+
+Training: the per-rank memory ledger (`plan.ledger`), the pipeline bubble and the communication ledger
+(`plan.communication`: calls and bytes per step for each of the tp, pp and dp groups, with times on the
+given links). Serving (`--serve`): weights and KV cache per GPU for each deploy tensor-parallel size and
+the vLLM command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from lightning_tp3d.plan.communication import GROUPS, CommunicationLedger, communication_ledger, group_bandwidths
+from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
+from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.plan.ledger import PRECISIONS, TrainingOptions, serving_ledger, serving_plan, training_ledger
+from lightning_tp3d.plan.schedules import bubble_fraction
+from lightning_tp3d.plan.units import parse_size
+
+__all__ = ["SERVING_DTYPE", "plan_parser"]
+
+_GIB = 1024**3
+# The serving dtype that matches each training precision ("serve in the precision you trained in").
+SERVING_DTYPE = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16",
+                 "16-mixed": "fp16"}
+_OOM_RETRY_UTILIZATION = 0.85  # the design documents' first step when a server does not start
+_MICROBATCHES_PER_STAGE = 4  # m >= 4 x pp keeps the GPipe / 1F1B bubble under 20%
+_GPUS_PER_NODE = 8  # when --gpus-per-node is not given: which groups cross nodes
+
+
+def _gib(value: int) -> str:
+    return f"{value / _GIB:9.2f}"
+
+
+def plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    plan = subparsers.add_parser("plan", help="validate a layout and print the memory ledger")
+    plan.add_argument("model", help=f"a preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json path")
+    plan.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    plan.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    plan.add_argument("--dp", type=int, default=1, help="data parallel size")
+    plan.add_argument("--micro-batch-size", type=int, default=1)
+    plan.add_argument("--num-microbatches", type=int, default=None, help="per step (default: pp)")
+    plan.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    plan.add_argument("--seq-len", type=int, default=4096)
+    plan.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16-mixed")
+    plan.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
+    plan.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform",
+                      help="uniform: every N-th layer; block: the first N layers of each stage")
+    plan.add_argument("--recompute-num-layers", type=int, default=1, metavar="N")
+    plan.add_argument("--dp-mode", choices=["replicate", "fsdp"], default="replicate")
+    plan.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                      help="1f1b needs num_microbatches >= pp; about 4 x pp keeps the bubble near 20%%")
+    plan.add_argument("--gpus-per-node", type=int, default=None,
+                      help="GPUs in a node: tp must divide it (tp groups stay on a node's NVLink)")
+    plan.add_argument("--serve-seq-len", type=int, default=None, help="serving sequence length (default: --seq-len)")
+    plan.add_argument("--serve-num-seqs", type=int, default=1, help="concurrent serving sequences")
+    plan.add_argument("--serve-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    serve = plan.add_argument_group("serving plan (--serve)")
+    serve.add_argument("--serve", action="store_true", help="print the serving plan instead of the training ledger")
+    serve.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: --seq-len)")
+    serve.add_argument("--deploy-tp", type=int, nargs="+", default=None, metavar="N",
+                       help="deploy tensor-parallel sizes to plan (default: every valid one of 1 2 4 8 16)")
+    serve.add_argument("--model-path", default=None, help="model name or folder in the vLLM command (default: MODEL)")
+    links = plan.add_argument_group("communication times")
+    links.add_argument("--bandwidth", nargs="+", default=[], metavar="GROUP=GB/s",
+                       help="bus bandwidth of a group's links, e.g. tp=150 dp=25 (default: the doctor's floors,"
+                            " 100 GB/s inside a node, 10 GB/s across nodes)")
+    links.add_argument("--doctor-report", default=None, metavar="JSON",
+                       help="take each group's bandwidth from a `tp3d doctor --json` report (largest message)")
+    plan.set_defaults(run=_run_plan)
+    plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def _run_serve_plan(args: argparse.Namespace, config: ModelConfig) -> int:
+    # An explicit --max-model-len above the model's positions is refused; the default stays within them.
+    tokens = args.max_model_len or min(args.seq_len, config.max_position_embeddings)
+    plans = serving_plan(config, args.model_path or args.model, parse_size(args.gpu_memory),
+                         args.gpu_memory_utilization, tokens, args.serve_dtype,
+                         tuple(args.deploy_tp) if args.deploy_tp else None)
+    if args.json:
+        print(json.dumps({"model": config.to_dict(), "serving_plan": [
+            {**asdict(plan), "fits": plan.fits} for plan in plans]}, indent=2))
+        return 0
+    print(f"serving {args.model} in {args.serve_dtype} on GPUs of {parse_size(args.gpu_memory) / _GIB:.1f} GiB at"
+          f" utilization {args.gpu_memory_utilization}, sequences of {tokens} tokens")
+    print(f"{'deploy tp':>9} {'weights GiB':>12} {'KV B/token':>11} {'KV GiB/seq':>11} {'cache GiB':>10} {'seqs':>6}")
+    for plan in plans:
+        print(f"{plan.tensor_parallel_size:>9} {plan.weight_bytes_per_gpu / _GIB:>12.2f}"
+              f" {plan.kv_bytes_per_token_per_gpu:>11,} {plan.kv_bytes_per_sequence_per_gpu / _GIB:>11.3f}"
+              f" {plan.kv_budget_bytes_per_gpu / _GIB:>10.2f} {plan.max_num_seqs:>6}"
+              + ("" if plan.fits else "  does not fit"))
+    print("per GPU; the cache must also leave room for vLLM's profiling activations, so the counts are upper bounds")
+    for plan in plans:
+        if plan.fits:
+            print(plan.vllm_command)
+    if args.gpu_memory_utilization > _OOM_RETRY_UTILIZATION:
+        print(f"if vLLM runs out of memory while starting, retry with --gpu-memory-utilization"
+              f" {_OOM_RETRY_UTILIZATION} (and a lower --max-num-seqs)")
+    return 0
+
+
+def _given_bandwidths(args: argparse.Namespace) -> dict[str, float]:
+    """GB/s per group from --doctor-report (largest message measured), then --bandwidth on top."""
+    given: dict[str, float] = {}
+    if args.doctor_report is not None:
+        with open(args.doctor_report) as handle:
+            measurements = json.load(handle)["measurements"]
+        for row in sorted(measurements, key=lambda row: row["bytes"]):
+            given[row["dimension"]] = row["bandwidth_gbps"]
+    for item in args.bandwidth:
+        group, _, value = item.partition("=")
+        if group not in GROUPS or not value:
+            raise ValueError(f"--bandwidth {item!r}: write GROUP=GB/s with GROUP one of {list(GROUPS)}, e.g. tp=150.")
+        given[group] = float(value.removesuffix("GB/s").removesuffix("GB"))
+    return given
+
+
+def _communication_lines(ledger: CommunicationLedger, bandwidth: dict[str, float]) -> list[str]:
+    lines = ["communication per step and rank (payload: tensors handed to collectives, sent: ring bytes on the"
+             " wire; lightning_tp3d.plan.communication)",
+             f"{'stage':>5} {'group':>5} {'calls':>7} {'payload MB':>11} {'sent MB':>10} {'GB/s':>7} {'ms':>9}"
+             f" {'hideable ms':>11}"]
+    for stage in range(len(ledger.stages)):
+        totals, seconds = ledger.totals(stage), ledger.seconds(stage, bandwidth)
+        for group in GROUPS:
+            total, time = totals[group], seconds[group]
+            if total["calls"]:
+                lines.append(f"{stage:>5} {group:>5} {total['calls']:>7,} {total['payload_bytes'] / 1e6:>11,.1f}"
+                             f" {total['sent_bytes'] / 1e6:>10,.1f} {bandwidth[group] / 1e9:>7.1f}"
+                             f" {time['seconds'] * 1e3:>9.1f} {time['hideable_seconds'] * 1e3:>11.1f}")
+    return lines
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    config = resolve_model_config(args.model)
+    if args.serve:
+        return _run_serve_plan(args, config)
+    layout = ParallelLayout(
+        tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
+        micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches or args.pp,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+    )
+    options = TrainingOptions(seq_len=args.seq_len, precision=args.precision, recompute=args.recompute,
+                              data_parallel_mode=args.dp_mode, schedule=args.schedule,
+                              recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+    if args.gpus_per_node is not None:
+        layout.validate_cluster(args.gpus_per_node)
+    training = training_ledger(config, layout, options)
+    serving = serving_ledger(config, args.serve_seq_len or args.seq_len, args.serve_num_seqs, args.serve_dtype)
+    bubble = bubble_fraction(layout.pipeline_parallel_size, layout.num_microbatches)
+    communication = communication_ledger(config, layout, options)
+    bandwidth = group_bandwidths(layout, args.gpus_per_node or _GPUS_PER_NODE, given_gbps=_given_bandwidths(args))
+    if args.json:
+        print(json.dumps({"model": config.to_dict(), "training": training.to_dict(), "serving": serving.to_dict(),
+                          "pipeline_bubble_fraction": bubble,
+                          "communication": communication.to_dict() | {
+                              "bandwidth_bytes_per_second": bandwidth,
+                              "seconds": [communication.seconds(stage, bandwidth)
+                                          for stage in range(len(communication.stages))]}}, indent=2))
+        return 0
+    print(f"model {args.model}: {config.num_parameters():,} parameters ({config.num_parameters() / 1e9:.2f}e9)")
+    print(f"layout tp={layout.tensor_parallel_size} pp={layout.pipeline_parallel_size} dp={layout.data_parallel_size}"
+          f" -> {layout.world_size} ranks; global batch {layout.global_batch_size} sequences of {args.seq_len} tokens")
+    recompute = args.recompute if args.recompute == "none" else (
+        f"{args.recompute} ({args.recompute_method}, N={args.recompute_num_layers})")
+    print(f"training {args.precision}, recompute={recompute}, dp mode={args.dp_mode}, schedule={args.schedule}")
+    print(f"{'stage':>5} {'layers':>9} {'params/rank':>14} {'weights':>9} {'grads':>9} {'optim':>9} "
+          f"{'activ':>9} {'total GiB':>9}")
+    for stage in training.stages:
+        layers = f"{stage.first_layer}-{stage.first_layer + stage.num_layers - 1}"
+        print(f"{stage.stage:>5} {layers:>9} {stage.parameters:>14,} {_gib(stage.weight_bytes)}"
+              f" {_gib(stage.gradient_bytes)} {_gib(stage.optimizer_bytes)} {_gib(stage.activation_bytes)}"
+              f" {_gib(stage.total_bytes)}")
+    print(f"peak per rank: {training.peak_stage.total_bytes / _GIB:.2f} GiB (stage {training.peak_stage.stage})")
+    pp, m = layout.pipeline_parallel_size, layout.num_microbatches
+    if pp > 1:
+        advice = "" if m >= _MICROBATCHES_PER_STAGE * pp else (
+            f"; num_microbatches >= {_MICROBATCHES_PER_STAGE} x pp = {_MICROBATCHES_PER_STAGE * pp} brings it to"
+            f" {bubble_fraction(pp, _MICROBATCHES_PER_STAGE * pp):.0%}")
+        print(f"pipeline bubble: (pp - 1) / (m + pp - 1) = {bubble:.0%} of each step{advice}")
+    print("\n".join(_communication_lines(communication, bandwidth)))
+    print(f"serving {serving.dtype}, pipeline stages merged: KV cache {serving.kv_bytes_per_token:,} B/token,"
+          f" {serving.kv_bytes_per_sequence / _GIB:.2f} GiB per {serving.seq_len}-token sequence,"
+          f" {serving.kv_bytes_total / _GIB:.2f} GiB for {serving.num_seqs} sequences")
+    print(f"{'deploy tp':>9} {'weights/GPU GiB':>16} {'KV B/token/GPU':>15}  note")
+    for option in serving.options:
+        if option.valid:
+            print(f"{option.tensor_parallel_size:>9} {_gib(option.weight_bytes_per_gpu):>16}"
+                  f" {option.kv_bytes_per_token_per_gpu:>15,}  ok")
+        else:
+            print(f"{option.tensor_parallel_size:>9} {'-':>16} {'-':>15}  invalid: {option.reason}")
+    return 0
