@@ -1,0 +1,99 @@
+"""What each rank sends per group in a real training step equals the communication ledger, exactly.
+
+On 4 processes, the second training step of the tiny model (b = 8 per dp rank, s = 16, fp32) is
+recorded (`TrafficRecorder`: flight recorder + wrapped sends) at (tp, pp, dp) = (2, 1, 2) replicate and
+(1, 2, 2) FSDP with m = 2 and m = 8, and compared with `communication_ledger` for the rank's stage
+(gloo: FSDP2's reduce-scatter is an all-reduce of the same payload): every (group, operation, payload,
+element size) with its number of calls. Under pipelining FSDP2 gathers each unit once per step, so the
+parameter all-gathers are the same at m = 2 and m = 8 while the pp sends grow with m.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import lightning as L
+import pytest
+
+from lightning_tp3d import TP3DStrategy
+from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.diagnostics.traffic import TrafficRecorder
+from lightning_tp3d.models import CausalLMModule
+from lightning_tp3d.plan.communication import communication_ledger
+from lightning_tp3d.plan.config import resolve_model_config
+from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.plan.ledger import TrainingOptions
+from tests.distributed import run_distributed
+from tests.helpers import SEQ_LEN, trainer_kwargs
+
+BATCH = 8  # per dp rank and step
+LAYOUTS = [(2, 1, 2, 1, "replicate"), (1, 2, 2, 2, "fsdp"), (1, 2, 2, 8, "fsdp")]  # tp, pp, dp, m, dp mode
+
+
+class RecordSecondStep(L.Callback):
+    def __init__(self) -> None:
+        self.recorder: TrafficRecorder | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            self.recorder = TrafficRecorder(trainer.strategy.device_mesh).__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2:
+            self.recorder.__exit__(None, None, None)
+
+
+def _measure(tp: int, pp: int, dp: int, m: int, mode: str) -> dict[str, Any]:
+    record = RecordSecondStep()
+    trainer = L.Trainer(**trainer_kwargs(
+        devices=4, max_steps=2, logger=False, callbacks=[record],
+        strategy=TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=m,
+                              data_parallel_mode=mode)))
+    trainer.fit(CausalLMModule("tiny"), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=BATCH))
+    return {"stage": trainer.strategy.layout.coordinates(trainer.global_rank).pp,
+            "transfers": dict(record.recorder.transfers)}
+
+
+def run_world() -> list[dict[str, Any]]:
+    return [_measure(*layout) for layout in LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[list[dict[str, Any]]]:
+    return run_distributed(4, "tests.diagnostics.test_traffic:run_world")
+
+
+def _ledger(tp: int, pp: int, dp: int, m: int, mode: str) -> list[collections.Counter]:
+    layout = ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                            micro_batch_size=BATCH // m, num_microbatches=m)
+    options = TrainingOptions(seq_len=SEQ_LEN, precision="32-true", data_parallel_mode=mode)
+    ledger = communication_ledger(resolve_model_config("tiny"), layout, options, backend="gloo")
+    stages = []
+    for transfers in ledger.stages:
+        counter: collections.Counter = collections.Counter()
+        for transfer in transfers:
+            counter[(transfer.group, transfer.operation, transfer.elements, transfer.element_bytes)] += transfer.count
+        stages.append(counter)
+    return stages
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("index", range(len(LAYOUTS)),
+                         ids=[f"{t}x{p}x{d} m={m} {mode}" for t, p, d, m, mode in LAYOUTS])
+def test_measured_traffic_equals_the_ledger_on_every_rank(measured, index):
+    expected = _ledger(*LAYOUTS[index])
+    for rank in measured:
+        run = rank[index]
+        assert run["transfers"] == dict(expected[run["stage"]]), (LAYOUTS[index], run["stage"])
+
+
+@pytest.mark.distributed
+def test_fsdp_under_pipelining_gathers_once_per_step_whatever_the_micro_batches(measured):
+    def calls(run: dict[str, Any], group: str, operation: str) -> int:
+        return sum(count for key, count in run["transfers"].items() if key[:2] == (group, operation))
+
+    for rank in measured:
+        two, eight = rank[1], rank[2]
+        assert calls(two, "dp", "all_gather") == calls(eight, "dp", "all_gather") == 3  # 2 blocks + the stage root
+        assert calls(eight, "pp", "send") == 4 * calls(two, "pp", "send")
