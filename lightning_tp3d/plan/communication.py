@@ -17,7 +17,9 @@ tp (Megatron's count, per micro-batch and pass, k m passes per step):
               for the vocab-parallel embedding; the last stage all-gathers its b s V / t logits.
     backward: 2 all-reduces of b s h per layer (the input gradients of the attention and MLP
               sub-blocks, each made once: `parallel.tensor.ReplicateBlockInput`); the last stage adds one
-              for the head's input gradient. A layer under `full` recompute repeats its forward's 2.
+              for the head's input gradient. A layer under `full` recompute repeats its attention output's
+              all-reduce, not the MLP's: the recomputation (non-reentrant checkpoint) stops as soon as the
+              tensors backward needs exist, before the layer's last all-reduce.
 pp (per micro-batch, k m per step): a stage that is not last sends its b s h output forward; a stage
     that is not first sends the b s h input gradient back. So first and last stages send k m b s h
     elements, middle stages 2 k m b s h.
@@ -97,6 +99,14 @@ class CommunicationLedger:
             total["sent_bytes"] += transfer.sent_bytes(self.group_sizes[transfer.group])
         return result
 
+    def calls_by_transfer(self, stage: int) -> dict[tuple[str, str, int, int], int]:
+        """{(group, operation, payload elements, element bytes): calls per step}, as `TrafficRecorder` counts."""
+        calls: dict[tuple[str, str, int, int], int] = {}
+        for transfer in self.stages[stage]:
+            key = (transfer.group, transfer.operation, transfer.elements, transfer.element_bytes)
+            calls[key] = calls.get(key, 0) + transfer.count
+        return calls
+
     def seconds(self, stage: int, bandwidth: dict[str, float]) -> dict[str, dict[str, float]]:
         """Per group: estimated seconds on links of `bandwidth` bytes/s, and the part overlap can hide."""
         result = {}
@@ -150,8 +160,8 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
             recomputed = len(recomputed_layers([layers], options.recompute_method, options.recompute_num_layers))
         transfers: list[Transfer] = []
         if tp > 1:
-            transfers.append(Transfer("tp", "all_reduce", passes * 2 * (len(layers) + recomputed), tokens * h, low,
-                                      "row-parallel outputs (o, down), forward and recomputed forward"))
+            transfers.append(Transfer("tp", "all_reduce", passes * (2 * len(layers) + recomputed), tokens * h, low,
+                                      "row-parallel outputs (o, down), forward and recomputed attention"))
             transfers.append(Transfer("tp", "all_reduce", passes * (2 * len(layers) + last), tokens * h, stream,
                                       "input gradients of attention, MLP" + (" and the head" if last else "")))
             if first:

@@ -1,7 +1,7 @@
 """What each rank sends per group in a real training step equals the communication ledger, exactly.
 
 On 4 processes, the second training step of the tiny model (b = 8 per dp rank, s = 16, fp32) is
-recorded (`TrafficRecorder`: flight recorder + wrapped sends) at (tp, pp, dp) = (2, 1, 2) replicate and
+recorded (`RecordTraffic`: flight recorder + wrapped sends) at (tp, pp, dp) = (2, 1, 2) replicate and
 (1, 2, 2) FSDP with m = 2 and m = 8, and compared with `communication_ledger` for the rank's stage
 (gloo: FSDP2's reduce-scatter is an all-reduce of the same payload): every (group, operation, payload,
 element size) with its number of calls. Under pipelining FSDP2 gathers each unit once per step, so the
@@ -10,17 +10,16 @@ parameter all-gathers are the same at m = 2 and m = 8 while the pp sends grow wi
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 import lightning as L
 import pytest
 
 from lightning_tp3d import TP3DStrategy
+from lightning_tp3d.callbacks import RecordTraffic
 from lightning_tp3d.data import TokenDataModule
-from lightning_tp3d.diagnostics.traffic import TrafficRecorder
 from lightning_tp3d.models import CausalLMModule
-from lightning_tp3d.plan.communication import communication_ledger
+from lightning_tp3d.plan.communication import CommunicationLedger, communication_ledger
 from lightning_tp3d.plan.config import resolve_model_config
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions
@@ -31,21 +30,8 @@ BATCH = 8  # per dp rank and step
 LAYOUTS = [(2, 1, 2, 1, "replicate"), (1, 2, 2, 2, "fsdp"), (1, 2, 2, 8, "fsdp")]  # tp, pp, dp, m, dp mode
 
 
-class RecordSecondStep(L.Callback):
-    def __init__(self) -> None:
-        self.recorder: TrafficRecorder | None = None
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == 1:
-            self.recorder = TrafficRecorder(trainer.strategy.device_mesh).__enter__()
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == 2:
-            self.recorder.__exit__(None, None, None)
-
-
 def _measure(tp: int, pp: int, dp: int, m: int, mode: str) -> dict[str, Any]:
-    record = RecordSecondStep()
+    record = RecordTraffic()
     trainer = L.Trainer(**trainer_kwargs(
         devices=4, max_steps=2, logger=False, callbacks=[record],
         strategy=TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=m,
@@ -64,18 +50,11 @@ def measured() -> list[list[dict[str, Any]]]:
     return run_distributed(4, "tests.diagnostics.test_traffic:run_world")
 
 
-def _ledger(tp: int, pp: int, dp: int, m: int, mode: str) -> list[collections.Counter]:
+def _ledger(tp: int, pp: int, dp: int, m: int, mode: str) -> CommunicationLedger:
     layout = ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             micro_batch_size=BATCH // m, num_microbatches=m)
     options = TrainingOptions(seq_len=SEQ_LEN, precision="32-true", data_parallel_mode=mode)
-    ledger = communication_ledger(resolve_model_config("tiny"), layout, options, backend="gloo")
-    stages = []
-    for transfers in ledger.stages:
-        counter: collections.Counter = collections.Counter()
-        for transfer in transfers:
-            counter[(transfer.group, transfer.operation, transfer.elements, transfer.element_bytes)] += transfer.count
-        stages.append(counter)
-    return stages
+    return communication_ledger(resolve_model_config("tiny"), layout, options, backend="gloo")
 
 
 @pytest.mark.distributed
@@ -85,7 +64,7 @@ def test_measured_traffic_equals_the_ledger_on_every_rank(measured, index):
     expected = _ledger(*LAYOUTS[index])
     for rank in measured:
         run = rank[index]
-        assert run["transfers"] == dict(expected[run["stage"]]), (LAYOUTS[index], run["stage"])
+        assert run["transfers"] == expected.calls_by_transfer(run["stage"]), (LAYOUTS[index], run["stage"])
 
 
 @pytest.mark.distributed
