@@ -16,6 +16,7 @@ import argparse
 import json
 from dataclasses import asdict
 
+from lightning_tp3d.plan.advisor import Cluster, advise
 from lightning_tp3d.plan.communication import GROUPS, CommunicationLedger, communication_ledger, group_bandwidths
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.layout import ParallelLayout
@@ -75,6 +76,13 @@ def plan_parser(subparsers: argparse._SubParsersAction) -> None:
                             " 100 GB/s inside a node, 10 GB/s across nodes)")
     links.add_argument("--doctor-report", default=None, metavar="JSON",
                        help="take each group's bandwidth from a `tp3d doctor --json` report (largest message)")
+    advisor = plan.add_argument_group("layout advisor (--gpus)")
+    advisor.add_argument("--gpus", type=int, default=None,
+                         help="rank every layout of this many GPUs (with --gpu-memory, --gpus-per-node)")
+    advisor.add_argument("--global-batch-size", type=int, default=512, help="sequences per step (default 512)")
+    advisor.add_argument("--gpu-tflops", type=float, default=989.0, help="dense peak of one GPU (default 989)")
+    advisor.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
+    advisor.add_argument("--top", type=int, default=8, help="layouts to print (default 8)")
     plan.set_defaults(run=_run_plan)
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
@@ -139,10 +147,42 @@ def _communication_lines(ledger: CommunicationLedger, bandwidth: dict[str, float
     return lines
 
 
+def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
+    cluster = Cluster(args.gpus, parse_size(args.gpu_memory), args.gpus_per_node or _GPUS_PER_NODE,
+                      args.gpu_tflops, args.mfu, group_gbps=_given_bandwidths(args))
+    candidates = advise(config, cluster, args.global_batch_size, args.seq_len, args.precision, args.micro_batch_size)
+    fitting = [candidate for candidate in candidates if candidate.fits]
+    if args.json:
+        print(json.dumps([asdict(candidate) | {"step_seconds": candidate.step_seconds} for candidate in candidates],
+                         indent=2))
+        return 0 if fitting else 1
+    print(f"{args.model} on {args.gpus} GPUs of {cluster.gpu_memory_bytes / _GIB:.0f} GiB"
+          f" ({cluster.gpus_per_node} per node), global batch {args.global_batch_size} x {args.seq_len} tokens,"
+          f" {args.precision}, {args.gpu_tflops:g} TFLOPS at MFU {args.mfu}: {len(candidates)} layouts,"
+          f" {len(fitting)} fit in {cluster.usable_fraction:.0%} of the memory")
+    if not fitting:
+        print("no layout fits: add GPUs, use fsdp or recompute, or a shorter sequence")
+        return 1
+    print(f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>3} {'dp mode':>9} {'recompute':>9} {'m':>4} {'k':>4} {'GiB':>6}"
+          f" {'compute':>8} {'bubble':>7} {'tp':>6} {'pp':>6} {'dp':>6} {'step s':>7}  why")
+    for index, candidate in enumerate(fitting[: args.top], 1):
+        exposed = candidate.exposed_seconds
+        print(f"{index:>2} {candidate.tensor_parallel_size:>3} {candidate.pipeline_parallel_size:>3}"
+              f" {candidate.data_parallel_size:>3} {candidate.data_parallel_mode:>9} {candidate.recompute:>9}"
+              f" {candidate.num_microbatches:>4} {candidate.gradient_accumulation_steps:>4}"
+              f" {candidate.peak_bytes / _GIB:>6.1f} {candidate.compute_seconds:>8.3f} {candidate.bubble_seconds:>7.3f}"
+              f" {exposed['tp']:>6.3f} {exposed['pp']:>6.3f} {exposed['dp']:>6.3f} {candidate.step_seconds:>7.3f}"
+              f"  {candidate.compared_with(fitting[0])}")
+    print("seconds per step; tp / pp / dp: communication overlap cannot hide (lightning_tp3d.plan.advisor)")
+    return 0
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     config = resolve_model_config(args.model)
     if args.serve:
         return _run_serve_plan(args, config)
+    if args.gpus is not None:
+        return _run_advisor(args, config)
     layout = ParallelLayout(
         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches or args.pp,

@@ -1,0 +1,144 @@
+"""The layout advisor: every valid layout of a cluster for a model, the ones that fit, ranked by step time.
+
+Searched: tp dividing the GPUs of a node (tp groups stay on NVLink) and the model's heads, pp dividing
+the rest (at most one layer per stage), dp = GPUs / (tp pp), the dp mode (replicate, FSDP) and the
+recompute (none, selective, full). The global batch B (sequences) is split into micro-batches of b: each
+dp rank takes B / (d b) of them, all in one pipeline pass when pp > 1 (m = B / (d b), needs m >= pp for
+1F1B), else accumulated (k = B / (d b)).
+
+A layout fits when the memory ledger's peak rank (`plan.ledger`) is within `usable_fraction` (0.9) of a
+GPU's memory, the rest being for the CUDA context, NCCL buffers and fragmentation. Fitting layouts are
+ranked by the predicted step time of their slowest stage:
+
+    compute  = FLOPs per step / (GPUs x peak x MFU), FLOPs = 6 N + 12 L h s per token (`training_flops_per_token`)
+               plus the recomputed forward: 2 N_layers + 4 L h s per token for `full`, 4 L h s for `selective`
+    bubble   = compute x (pp - 1) / m                                      (GPipe / 1F1B)
+    exposed  = sum over groups of the communication time overlap cannot hide (`plan.communication`):
+               tp all-reduces and the replicate all-reduce in full, FSDP and pipeline transfers only
+               beyond the compute they overlap with
+    step     = compute + bubble + exposed
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_tp3d.plan.communication import GROUPS, communication_ledger, group_bandwidths
+from lightning_tp3d.plan.config import ModelConfig
+from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
+from lightning_tp3d.plan.ledger import TrainingOptions, training_flops_per_token, training_ledger
+
+__all__ = ["Cluster", "LayoutCandidate", "advise"]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpu_memory_bytes: int
+    gpus_per_node: int = 8
+    peak_tflops: float = 989.0  # dense bf16 of an H100 / H200 SXM
+    mfu: float = 0.4  # the design documents' bar for training
+    links_gbps: dict[str, float] = field(default_factory=dict)  # intra_node / inter_node, default: doctor floors
+    group_gbps: dict[str, float] = field(default_factory=dict)  # measured per group (overrides the links)
+    usable_fraction: float = 0.9
+
+
+@dataclass(frozen=True)
+class LayoutCandidate:
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    data_parallel_mode: str
+    recompute: str
+    num_microbatches: int
+    gradient_accumulation_steps: int
+    peak_bytes: int
+    fits: bool
+    compute_seconds: float
+    bubble_seconds: float
+    exposed_seconds: dict[str, float]
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.bubble_seconds + sum(self.exposed_seconds.values())
+
+    @property
+    def name(self) -> str:
+        return (f"tp={self.tensor_parallel_size} pp={self.pipeline_parallel_size} dp={self.data_parallel_size}"
+                f" {self.data_parallel_mode} recompute={self.recompute} m={self.num_microbatches}"
+                f" k={self.gradient_accumulation_steps}")
+
+    def parts(self) -> dict[str, float]:
+        """The step's seconds by cause: compute (with recompute), bubble, each group's exposed communication."""
+        return {"compute": self.compute_seconds, "bubble": self.bubble_seconds,
+                **{f"{group} comm": seconds for group, seconds in self.exposed_seconds.items()}}
+
+    def compared_with(self, best: LayoutCandidate) -> str:
+        """Why this layout is where it is: its largest cost against the best layout's."""
+        if self is best:
+            parts = sorted(self.parts().items(), key=lambda part: -part[1])[1:3]
+            return "best; beyond compute: " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in parts)
+        differences = {name: seconds - best.parts()[name] for name, seconds in self.parts().items()}
+        name, difference = max(differences.items(), key=lambda item: item[1])
+        cause = f"recompute={self.recompute}" if name == "compute" else name
+        return f"+{self.step_seconds / best.step_seconds - 1:.0%}: {cause} +{difference:.3f} s"
+
+
+def _divisors(value: int) -> list[int]:
+    return [candidate for candidate in range(1, value + 1) if value % candidate == 0]
+
+
+def _flops_per_token(config: ModelConfig, seq_len: int, recompute: str) -> float:
+    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    layers_matmul = config.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size)
+    attention_core_forward = 4 * config.num_hidden_layers * h * seq_len
+    extra = {"none": 0, "selective": attention_core_forward,
+             "full": 2 * layers_matmul + attention_core_forward}[recompute]
+    return training_flops_per_token(config, seq_len) + extra
+
+
+def _candidate(config: ModelConfig, cluster: Cluster, layout: ParallelLayout, options: TrainingOptions,
+               global_batch_size: int) -> LayoutCandidate:
+    peak = training_ledger(config, layout, options).peak_stage.total_bytes
+    flops = _flops_per_token(config, options.seq_len, options.recompute) * global_batch_size * options.seq_len
+    compute = flops / (cluster.gpus * cluster.peak_tflops * 1e12 * cluster.mfu)
+    pp, m = layout.pipeline_parallel_size, layout.num_microbatches
+    bubble = compute * (pp - 1) / m
+    ledger = communication_ledger(config, layout, options)
+    bandwidth = group_bandwidths(layout, cluster.gpus_per_node, cluster.links_gbps, cluster.group_gbps)
+    exposed = {group: 0.0 for group in GROUPS}
+    for stage in range(len(ledger.stages)):
+        for group, seconds in ledger.seconds(stage, bandwidth).items():
+            hidden = min(seconds["hideable_seconds"], compute)
+            exposed[group] = max(exposed[group], seconds["seconds"] - hidden)
+    return LayoutCandidate(layout.tensor_parallel_size, pp, layout.data_parallel_size, options.data_parallel_mode,
+                           options.recompute, m, layout.gradient_accumulation_steps, peak,
+                           peak <= cluster.usable_fraction * cluster.gpu_memory_bytes, compute, bubble, exposed)
+
+
+def advise(config: ModelConfig, cluster: Cluster, global_batch_size: int, seq_len: int,
+           precision: str = "bf16-mixed", micro_batch_size: int = 1) -> list[LayoutCandidate]:
+    """Every valid layout of `cluster` for `config`, fitting ones first, each group by predicted step time."""
+    candidates = []
+    for tp in _divisors(cluster.gpus_per_node):
+        if cluster.gpus % tp:
+            continue
+        for pp in _divisors(cluster.gpus // tp):
+            dp = cluster.gpus // (tp * pp)
+            per_rank, remainder = divmod(global_batch_size, dp * micro_batch_size)
+            if remainder or per_rank == 0 or pp > config.num_hidden_layers or (pp > 1 and per_rank < pp):
+                continue
+            m, k = (per_rank, 1) if pp > 1 else (1, per_rank)
+            layout = ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                                    micro_batch_size=micro_batch_size, num_microbatches=m,
+                                    gradient_accumulation_steps=k)
+            try:
+                layout.validate_model(config)
+            except LayoutError:
+                continue
+            for mode in ("replicate", "fsdp") if dp > 1 else ("replicate",):
+                for recompute in ("none", "selective", "full"):
+                    options = TrainingOptions(seq_len=seq_len, precision=precision, recompute=recompute,
+                                              data_parallel_mode=mode)
+                    candidates.append(_candidate(config, cluster, layout, options, global_batch_size))
+    return sorted(candidates, key=lambda candidate: (not candidate.fits, candidate.step_seconds))

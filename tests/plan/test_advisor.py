@@ -1,0 +1,59 @@
+"""`tp3d plan MODEL --gpus N`: every layout searched is valid for the cluster, fitting ones are ranked by the
+predicted step time, and the best one's memory is the ledger's for that layout."""
+
+from __future__ import annotations
+
+import json
+
+from lightning_tp3d.cli import main
+from lightning_tp3d.plan.advisor import Cluster, advise
+from lightning_tp3d.plan.config import MODEL_PRESETS
+from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.plan.ledger import TrainingOptions, training_ledger
+
+GIB = 1024**3
+
+
+def test_advisor_ranks_valid_layouts_and_the_best_fits_by_the_ledger(capsys):
+    assert main(["plan", "deepseek-llm-7b", "--gpus", "64", "--gpu-memory", "80GiB", "--gpus-per-node", "8",
+                 "--json"]) == 0
+    candidates = json.loads(capsys.readouterr().out)
+    assert len(candidates) > 20
+    for candidate in candidates:
+        tp, pp, dp = (candidate[key] for key in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                  "data_parallel_size"))
+        assert tp <= 8 and 8 % tp == 0 and tp * pp * dp == 64
+        assert candidate["num_microbatches"] * candidate["gradient_accumulation_steps"] * dp == 512
+    fitting = [candidate for candidate in candidates if candidate["fits"]]
+    assert [candidate["step_seconds"] for candidate in fitting] == sorted(c["step_seconds"] for c in fitting)
+    assert candidates[: len(fitting)] == fitting  # every fitting layout is ranked before any that does not fit
+    best = fitting[0]
+    layout = ParallelLayout(tensor_parallel_size=best["tensor_parallel_size"],
+                            pipeline_parallel_size=best["pipeline_parallel_size"],
+                            data_parallel_size=best["data_parallel_size"], num_microbatches=best["num_microbatches"],
+                            gradient_accumulation_steps=best["gradient_accumulation_steps"])
+    options = TrainingOptions(seq_len=4096, recompute=best["recompute"], data_parallel_mode=best["data_parallel_mode"])
+    peak = training_ledger(MODEL_PRESETS["deepseek-llm-7b"], layout, options).peak_stage.total_bytes
+    assert best["peak_bytes"] == peak <= 0.9 * 80 * GIB
+
+
+def test_advisor_table_names_why_each_layout_wins_or_loses(capsys):
+    assert main(["plan", "deepseek-llm-67b", "--gpus", "32", "--gpu-memory", "80GiB", "--top", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "96 layouts, 25 fit in 90% of the memory" in lines[0]
+    assert "best; beyond compute: bubble" in lines[2]
+    assert all(" +" in line and "%:" in line for line in lines[3:7])
+    assert main(["plan", "deepseek-llm-67b", "--gpus", "8", "--gpu-memory", "80GiB"]) == 1
+    assert "no layout fits" in capsys.readouterr().out
+
+
+def test_slower_links_make_the_tensor_parallel_layouts_pay_their_all_reduces():
+    config = MODEL_PRESETS["deepseek-llm-7b"]
+    fast = advise(config, Cluster(16, 80 * GIB, group_gbps={"tp": 400.0}), 64, 4096)
+    slow = advise(config, Cluster(16, 80 * GIB, group_gbps={"tp": 20.0}), 64, 4096)
+
+    def tp_cost(candidates, tp):
+        return min(c.exposed_seconds["tp"] for c in candidates if c.tensor_parallel_size == tp)
+
+    assert tp_cost(fast, 1) == tp_cost(slow, 1) == 0.0
+    assert tp_cost(slow, 8) == tp_cost(fast, 8) * 20
