@@ -31,7 +31,8 @@ from lightning_tp3d.plan.ledger import TrainingOptions
 from common import MACHINE, benchmark_trainer
 
 BATCH, SEQ_LEN = 8, 16
-# (tp, pp, dp, num_microbatches, dp mode, precision, recompute): every dp mode, pp 2 at m = 2 and 8.
+# (tp, pp, dp, num_microbatches, dp mode, precision, recompute): every dp mode, pp 2 at m = 2 and 8;
+# "fsdp-reshard" is FSDP with fsdp_reshard_after_forward=True.
 LAYOUTS = [
     (2, 1, 2, 1, "replicate", "32-true", "none"),
     (2, 1, 2, 1, "fsdp", "32-true", "none"),
@@ -41,19 +42,23 @@ LAYOUTS = [
     (1, 2, 2, 2, "replicate", "32-true", "none"),
     (1, 2, 2, 2, "fsdp", "32-true", "none"),
     (1, 2, 2, 8, "fsdp", "32-true", "none"),
+    (1, 2, 2, 2, "fsdp-reshard", "32-true", "none"),
     (2, 2, 1, 2, "replicate", "bf16-mixed", "none"),
 ]
 
 
 def _measure(tp: int, pp: int, dp: int, m: int, mode: str, precision: str, recompute: str) -> dict[str, Any]:
     record = RecordTraffic()
+    reshard = mode.endswith("-reshard") or None
+    mode = mode.removesuffix("-reshard")
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=m,
-                            data_parallel_mode=mode, recompute=recompute)
+                            data_parallel_mode=mode, fsdp_reshard_after_forward=reshard, recompute=recompute)
     trainer = benchmark_trainer(4, strategy, 2, [record], precision=precision, log_every_n_steps=1)
     trainer.fit(CausalLMModule("tiny"), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=BATCH))
     layout = ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             micro_batch_size=BATCH // m, num_microbatches=m)
-    options = TrainingOptions(seq_len=SEQ_LEN, precision=precision, data_parallel_mode=mode, recompute=recompute)
+    options = TrainingOptions(seq_len=SEQ_LEN, precision=precision, data_parallel_mode=mode, recompute=recompute,
+                              fsdp_reshard_after_forward=reshard)
     ledger = communication_ledger(resolve_model_config("tiny"), layout, options, backend="gloo")
     stage = trainer.strategy.layout.coordinates(trainer.global_rank).pp
     expected, measured = ledger.totals(stage), record.recorder.per_group()
@@ -68,7 +73,8 @@ def _measure(tp: int, pp: int, dp: int, m: int, mode: str, precision: str, recom
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, {"rank": trainer.global_rank, "stage": stage, "groups": groups,
                                                    "every_transfer_equal": exact})
-    return {"layout": {"tp": tp, "pp": pp, "dp": dp, "num_microbatches": m, "dp_mode": mode,
+    return {"layout": {"tp": tp, "pp": pp, "dp": dp, "num_microbatches": m,
+                       "dp_mode": mode + ("-reshard" if reshard else ""),
                        "precision": precision, "recompute": recompute}, "ranks": gathered}
 
 

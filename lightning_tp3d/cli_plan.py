@@ -163,12 +163,12 @@ def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
     if not fitting:
         print("no layout fits: add GPUs, use fsdp or recompute, or a shorter sequence")
         return 1
-    print(f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>3} {'dp mode':>9} {'recompute':>9} {'m':>4} {'k':>4} {'GiB':>6}"
+    print(f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>3} {'dp mode':>12} {'recompute':>9} {'m':>4} {'k':>4} {'GiB':>6}"
           f" {'compute':>8} {'bubble':>7} {'tp':>6} {'pp':>6} {'dp':>6} {'step s':>7}  why")
     for index, candidate in enumerate(fitting[: args.top], 1):
         exposed = candidate.exposed_seconds
         print(f"{index:>2} {candidate.tensor_parallel_size:>3} {candidate.pipeline_parallel_size:>3}"
-              f" {candidate.data_parallel_size:>3} {candidate.data_parallel_mode:>9} {candidate.recompute:>9}"
+              f" {candidate.data_parallel_size:>3} {candidate.data_parallel_mode:>12} {candidate.recompute:>9}"
               f" {candidate.num_microbatches:>4} {candidate.gradient_accumulation_steps:>4}"
               f" {candidate.peak_bytes / _GIB:>6.1f} {candidate.compute_seconds:>8.3f} {candidate.bubble_seconds:>7.3f}"
               f" {exposed['tp']:>6.3f} {exposed['pp']:>6.3f} {exposed['dp']:>6.3f} {candidate.step_seconds:>7.3f}"

@@ -1,8 +1,9 @@
 """The layout advisor: every valid layout of a cluster for a model, the ones that fit, ranked by step time.
 
 Searched: tp dividing the GPUs of a node (tp groups stay on NVLink) and the model's heads, pp dividing
-the rest (at most one layer per stage), dp = GPUs / (tp pp), the dp mode (replicate, FSDP) and the
-recompute (none, selective, full). The global batch B (sequences) is split into micro-batches of b: each
+the rest (at most one layer per stage), dp = GPUs / (tp pp), the dp mode (replicate, FSDP, and under
+pipelining FSDP resharding after each forward: less memory, 2 m all-gathers per step) and the recompute
+(none, selective, full). The global batch B (sequences) is split into micro-batches of b: each
 dp rank takes B / (d b) of them, all in one pipeline pass when pp > 1 (m = B / (d b), needs m >= pp for
 1F1B), else accumulated (k = B / (d b)).
 
@@ -21,6 +22,7 @@ ranked by the predicted step time of their slowest stage:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from lightning_tp3d.plan.communication import GROUPS, communication_ledger, group_bandwidths
@@ -48,7 +50,7 @@ class LayoutCandidate:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     data_parallel_size: int
-    data_parallel_mode: str
+    data_parallel_mode: str  # "replicate", "fsdp", or "fsdp-reshard" (fsdp_reshard_after_forward=True under pp)
     recompute: str
     num_microbatches: int
     gradient_accumulation_steps: int
@@ -111,7 +113,8 @@ def _candidate(config: ModelConfig, cluster: Cluster, layout: ParallelLayout, op
         for group, seconds in ledger.seconds(stage, bandwidth).items():
             hidden = min(seconds["hideable_seconds"], compute)
             exposed[group] = max(exposed[group], seconds["seconds"] - hidden)
-    return LayoutCandidate(layout.tensor_parallel_size, pp, layout.data_parallel_size, options.data_parallel_mode,
+    mode = options.data_parallel_mode + ("-reshard" if options.fsdp_reshard_after_forward and pp > 1 else "")
+    return LayoutCandidate(layout.tensor_parallel_size, pp, layout.data_parallel_size, mode,
                            options.recompute, m, layout.gradient_accumulation_steps, peak,
                            peak <= cluster.usable_fraction * cluster.gpu_memory_bytes, compute, bubble, exposed)
 
@@ -136,9 +139,11 @@ def advise(config: ModelConfig, cluster: Cluster, global_batch_size: int, seq_le
                 layout.validate_model(config)
             except LayoutError:
                 continue
-            for mode in ("replicate", "fsdp") if dp > 1 else ("replicate",):
-                for recompute in ("none", "selective", "full"):
-                    options = TrainingOptions(seq_len=seq_len, precision=precision, recompute=recompute,
-                                              data_parallel_mode=mode)
-                    candidates.append(_candidate(config, cluster, layout, options, global_batch_size))
+            modes = [("replicate", None)]
+            if dp > 1:
+                modes += [("fsdp", None)] + ([("fsdp", True)] if pp > 1 else [])
+            for (mode, reshard), recompute in itertools.product(modes, ("none", "selective", "full")):
+                options = TrainingOptions(seq_len=seq_len, precision=precision, recompute=recompute,
+                                          data_parallel_mode=mode, fsdp_reshard_after_forward=reshard)
+                candidates.append(_candidate(config, cluster, layout, options, global_batch_size))
     return sorted(candidates, key=lambda candidate: (not candidate.fits, candidate.step_seconds))

@@ -25,9 +25,10 @@ pp (per micro-batch, k m per step): a stage that is not last sends its b s h out
     elements, middle stages 2 k m b s h.
 dp `replicate`: the stage's gradients, one all-reduce of P_i (one bucket per gradient dtype) per step.
 dp `fsdp` (FSDP2, one unit per block plus one for the stage's other parameters): per unit one
-    all-gather of its shard (each parameter's dim 0 padded to a multiple of d) per step under
-    pipelining (parameters stay gathered through the step), two otherwise (forward, and again in
-    backward), and one reduce-scatter of the padded unit; k times each when accumulating.
+    all-gather of its shard (each parameter's dim 0 padded to a multiple of d) per step when the
+    parameters stay gathered through the step (the default under pipelining), 2 m when they are
+    resharded after each forward (forward and backward of each micro-batch; the default without
+    pipelining, m = 1), and one reduce-scatter of the padded unit; k times each when accumulating.
     gloo has no reduce-scatter: FSDP2 all-reduces the same payload there (`backend="gloo"`).
 Element sizes: under `32-true` everything is fp32. Under 16-bit autocast (`bf16-mixed`, `16-mixed`) the
     row-parallel outputs and the logits are 16-bit, while the residual stream, its gradients (the tp
@@ -51,6 +52,7 @@ from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions
 from lightning_tp3d.plan.recompute import recomputed_layers
+from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, LAYER_WEIGHTS, WeightSplit
 
 __all__ = ["DEFAULT_LINKS_GBPS", "GROUPS", "HIDDEN_BY_OVERLAP", "CommunicationLedger", "Transfer",
@@ -187,7 +189,8 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
             else:
                 reduce = "reduce_scatter" if backend != "gloo" else "all_reduce"
                 steps = layout.gradient_accumulation_steps  # FSDP2 reduces after every accumulated batch
-                gathers = steps * (1 if pp > 1 else 2)
+                reshard = fsdp_reshards_after_forward(options.fsdp_reshard_after_forward, options.schedule, pp)
+                gathers = steps * (2 * layout.num_microbatches if reshard else 1)
                 units: list[tuple[list[tuple[int, ...]], int, str]] = [
                     (layer_shapes, gathers, f"block {index}") for index in layers]
                 if root_shapes:

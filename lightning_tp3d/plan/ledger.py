@@ -22,6 +22,10 @@ dim (a d = h), V vocab, L layers, t tp, s sequence length, b micro-batch.
       (L - r) x layer + r x kept + max(logits on the last stage, layer - kept if r > 0).
   Measured on the tiny model (MemTracker, s = 64, b = 4, fp32) the estimate is 7% below the peak of
   activations and backward temporaries for none, full and selective alike.
+* FSDP gathers parameters for compute: with `fsdp_reshard_after_forward` (the default without
+  pipelining) one block at a time plus the next one prefetched, 2 x one layer's parameters; without it
+  (the default under pipelining: gathered once per step, not once per micro-batch) the stage's whole
+  parameters stay gathered through the step (`gathered_weight_bytes`).
 * In-flight micro-batches: with 1F1B stage i holds min(m, pp - i) micro-batches' activations, with
   GPipe all m; without pipelining one.
 * Serving KV cache: 2 x L x k x d x bytes per token, split over the deploy tp size (kv heads are
@@ -40,7 +44,7 @@ from typing import Any, Literal
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.recompute import check_recompute_options, recomputed_layers
-from lightning_tp3d.plan.schedules import stages_per_rank_of
+from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward, stages_per_rank_of
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, layer_parameters_per_rank, parameters_per_rank
 
 __all__ = [
@@ -78,6 +82,7 @@ class TrainingOptions:
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     recompute_method: Literal["uniform", "block"] = "uniform"
     recompute_num_layers: int = 1
+    fsdp_reshard_after_forward: bool | None = None  # None: yes without pipelining, no under it
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -102,10 +107,12 @@ class StageLedger:
     optimizer_bytes: int
     activation_bytes: int
     in_flight_microbatches: int
+    gathered_weight_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+        return (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+                + self.gathered_weight_bytes)
 
 
 @dataclass(frozen=True)
@@ -179,10 +186,15 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
         activation_bytes = elements * activation + max(logits_bytes, recompute_bytes)
         in_flight = 1 if pp == 1 else (m if options.schedule == "gpipe" else min(m, pp - stage))
         local = -(-parameters // shard)
+        gathered = 0
+        if options.data_parallel_mode == "fsdp" and dp > 1:
+            whole_stage = not fsdp_reshards_after_forward(options.fsdp_reshard_after_forward, options.schedule, pp)
+            gathered = (parameters if whole_stage else 2 * layer_parameters_per_rank(config, tp)) * weight
         stages.append(StageLedger(
             stage=stage, first_layer=layers.start, num_layers=len(layers), parameters=parameters,
             weight_bytes=local * weight, gradient_bytes=local * gradient, optimizer_bytes=local * optimizer,
             activation_bytes=activation_bytes * in_flight, in_flight_microbatches=in_flight,
+            gathered_weight_bytes=gathered,
         ))
     return TrainingLedger(config.num_parameters(), layout.to_dict(), asdict(options), stages)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PIPELINE_SCHEDULES", "PipelinePlan", "bubble_fraction", "plan_pipeline", "stages_per_rank_of"]
+__all__ = ["PIPELINE_SCHEDULES", "PipelinePlan", "bubble_fraction", "fsdp_reshards_after_forward", "plan_pipeline",
+           "stages_per_rank_of"]
 
 # user-facing name -> torch schedule class name
 PIPELINE_SCHEDULES: dict[str, str] = {
@@ -25,6 +26,8 @@ PIPELINE_SCHEDULES: dict[str, str] = {
 }
 _LOOPED = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble"}
 _V_SHAPED = {"zbv_zero_bubble", "dualpipev"}
+# Schedules that compute weight gradients in a pass of their own, after the input gradients.
+_SPLIT_BACKWARD = {"interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"}
 # Schedules that run the first backward before all forwards are done need one micro-batch per stage.
 _NEEDS_MICROBATCHES_PER_RANK = {"1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble",
                                 "dualpipev"}
@@ -88,3 +91,22 @@ def bubble_fraction(pp_size: int, num_microbatches: int, stages_per_rank: int = 
     if pp_size <= 1:
         return 0.0
     return (pp_size - 1) / (stages_per_rank * num_microbatches + pp_size - 1)
+
+
+def fsdp_reshards_after_forward(choice: bool | None, schedule: str, pp_size: int) -> bool:
+    """Whether FSDP2 frees a unit's gathered parameters after its forward (`reshard_after_forward`).
+
+    None chooses: yes without pipelining (one unit gathered at a time, gathered again in backward); no
+    under pipelining, where resharding would gather every unit again for every micro-batch's forward
+    and backward (2 m all-gathers per step instead of 1) at the price of keeping the stage's parameters
+    whole through the step. The split-backward schedules need them kept: their weight-gradient pass runs
+    after FSDP2 would have resharded."""
+    if choice is None:
+        return pp_size == 1
+    if choice and pp_size > 1 and schedule in _SPLIT_BACKWARD:
+        raise ValueError(
+            f"fsdp_reshard_after_forward=True cannot run pipeline_schedule={schedule!r}: its weight gradients are"
+            " computed after FSDP2 resharded the parameters, so they would come back wrong. Use 'gpipe', '1f1b',"
+            " 'interleaved_1f1b' or 'looped_bfs', or leave fsdp_reshard_after_forward=None."
+        )
+    return choice

@@ -65,6 +65,7 @@ from lightning_tp3d.parallel.tensor import (
     shard_gradients_like_parameters,
 )
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
+from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward
 from lightning_tp3d.strategies.options import ParallelOptions
 
 __all__ = ["FLAT_OPTIMIZER_STATE", "ParallelCore", "model_config", "resolve_attribute"]
@@ -185,10 +186,12 @@ class ParallelCore:
             recompute_network_layers(layers, stage_layers, options.recompute, options.recompute_method,
                                      options.recompute_num_layers, options.recompute_target)
         if self.data_parallel_mode == "fsdp":
-            # Under pipelining each stage module is called directly, so each is an FSDP root of its own,
-            # and its parameters stay gathered through the step's micro-batches (see `apply_fsdp`).
+            # Under pipelining each stage module is called directly, so each is an FSDP root of its own;
+            # by default its parameters stay gathered through the step's micro-batches (see `apply_fsdp`).
+            reshard = fsdp_reshards_after_forward(options.fsdp_reshard_after_forward, options.pipeline_schedule,
+                                                  layout.pipeline_parallel_size)
             apply_fsdp(stage_modules or [network], self.mesh["dp"], indexed_blocks(self._layers(network)).values(),
-                       reshard_after_forward=pipeline_plan is None)
+                       reshard_after_forward=reshard)
         if pipeline_plan is not None:
             loss_fn = stages.loss_function(network) or causal_lm_loss
             self.pipeline = PipelineRunner(stage_modules, pipeline_plan, layout.num_microbatches, loss_fn,

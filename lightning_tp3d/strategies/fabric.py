@@ -83,6 +83,7 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         pipeline_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_mode: Literal["replicate", "fsdp"] = "replicate",
+        fsdp_reshard_after_forward: bool | None = None,
         num_microbatches: int | None = None,
         pipeline_schedule: str = "1f1b",
         stages_per_rank: int = 2,

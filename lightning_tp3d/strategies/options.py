@@ -21,7 +21,7 @@ from lightning_tp3d.parallel.paths import import_object
 from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET, check_recompute_options
-from lightning_tp3d.plan.schedules import stages_per_rank_of
+from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward, stages_per_rank_of
 
 __all__ = ["ParallelOptions"]
 
@@ -38,6 +38,7 @@ class ParallelOptions:
     pipeline_parallel_size: int = 1
     data_parallel_size: int | str = "auto"
     data_parallel_mode: str = "replicate"
+    fsdp_reshard_after_forward: bool | None = None
     num_microbatches: int | None = None
     pipeline_schedule: str = "1f1b"
     stages_per_rank: int = 2
@@ -73,6 +74,7 @@ class ParallelOptions:
         pp, m = self.pipeline_parallel_size, self.num_microbatches
         ParallelLayout(tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=pp,
                        num_microbatches=m, layers_per_stage=self.layers_per_stage)
+        fsdp_reshards_after_forward(self.fsdp_reshard_after_forward, self.pipeline_schedule, pp)
         if pp > 1:
             stages_per_rank_of(self.pipeline_schedule, pp, m, self.stages_per_rank)
             if m < pp:

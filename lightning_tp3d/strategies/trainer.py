@@ -76,6 +76,9 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         data_parallel_size: model replicas; `"auto"` is world size / (tp x pp).
         data_parallel_mode: `"replicate"` (gradients all-reduced over dp, DDP semantics) or `"fsdp"`
             (FSDP2: parameters, gradients and optimizer state sharded over dp).
+        fsdp_reshard_after_forward: free a block's gathered parameters after its forward (FSDP2); None:
+            yes without pipelining, no under it (gather once per step, keep the stage whole; see
+            `plan.schedules.fsdp_reshards_after_forward`, refused with the split-backward schedules).
         tp_plan: module-name pattern -> `ParallelStyle` mapping, a function returning one, or its
             import path `"package.module:function"`; default: the plan for Hugging Face Llama names.
         model_attribute: attribute of the LightningModule holding the network to parallelise.
@@ -116,6 +119,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         pipeline_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_mode: Literal["replicate", "fsdp"] = "replicate",
+        fsdp_reshard_after_forward: bool | None = None,
         num_microbatches: int | None = None,
         pipeline_schedule: str = "1f1b",
         stages_per_rank: int = 2,

@@ -5,7 +5,8 @@ recorded (`RecordTraffic`: flight recorder + wrapped sends) at (tp, pp, dp) = (2
 (1, 2, 2) FSDP with m = 2 and m = 8, and compared with `communication_ledger` for the rank's stage
 (gloo: FSDP2's reduce-scatter is an all-reduce of the same payload): every (group, operation, payload,
 element size) with its number of calls. Under pipelining FSDP2 gathers each unit once per step, so the
-parameter all-gathers are the same at m = 2 and m = 8 while the pp sends grow with m.
+parameter all-gathers are the same at m = 2 and m = 8 while the pp sends grow with m; with
+`fsdp_reshard_after_forward=True` (m = 2) they are 2 m per unit.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from tests.distributed import run_distributed
 from tests.helpers import SEQ_LEN, trainer_kwargs
 
 BATCH = 8  # per dp rank and step
-LAYOUTS = [(2, 1, 2, 1, "replicate"), (1, 2, 2, 2, "fsdp"), (1, 2, 2, 8, "fsdp")]  # tp, pp, dp, m, dp mode
+# tp, pp, dp, m, dp mode ("fsdp-reshard": fsdp_reshard_after_forward=True)
+LAYOUTS = [(2, 1, 2, 1, "replicate"), (1, 2, 2, 2, "fsdp"), (1, 2, 2, 8, "fsdp"), (1, 2, 2, 2, "fsdp-reshard")]
 
 
 def _measure(tp: int, pp: int, dp: int, m: int, mode: str) -> dict[str, Any]:
@@ -35,7 +37,8 @@ def _measure(tp: int, pp: int, dp: int, m: int, mode: str) -> dict[str, Any]:
     trainer = L.Trainer(**trainer_kwargs(
         devices=4, max_steps=2, logger=False, callbacks=[record],
         strategy=TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=m,
-                              data_parallel_mode=mode)))
+                              data_parallel_mode=mode.removesuffix("-reshard"),
+                              fsdp_reshard_after_forward=mode.endswith("-reshard") or None)))
     trainer.fit(CausalLMModule("tiny"), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=BATCH))
     return {"stage": trainer.strategy.layout.coordinates(trainer.global_rank).pp,
             "transfers": dict(record.recorder.transfers)}
@@ -53,7 +56,8 @@ def measured() -> list[list[dict[str, Any]]]:
 def _ledger(tp: int, pp: int, dp: int, m: int, mode: str) -> CommunicationLedger:
     layout = ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             micro_batch_size=BATCH // m, num_microbatches=m)
-    options = TrainingOptions(seq_len=SEQ_LEN, precision="32-true", data_parallel_mode=mode)
+    options = TrainingOptions(seq_len=SEQ_LEN, precision="32-true", data_parallel_mode=mode.removesuffix("-reshard"),
+                              fsdp_reshard_after_forward=mode.endswith("-reshard") or None)
     return communication_ledger(resolve_model_config("tiny"), layout, options, backend="gloo")
 
 
@@ -73,6 +77,8 @@ def test_fsdp_under_pipelining_gathers_once_per_step_whatever_the_micro_batches(
         return sum(count for key, count in run["transfers"].items() if key[:2] == (group, operation))
 
     for rank in measured:
-        two, eight = rank[1], rank[2]
+        two, eight, resharding = rank[1], rank[2], rank[3]
         assert calls(two, "dp", "all_gather") == calls(eight, "dp", "all_gather") == 3  # 2 blocks + the stage root
         assert calls(eight, "pp", "send") == 4 * calls(two, "pp", "send")
+        # The selectable alternative: resharding after each forward gathers every unit per micro-batch, twice.
+        assert calls(resharding, "dp", "all_gather") == 2 * 2 * 3

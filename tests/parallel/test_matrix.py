@@ -3,7 +3,8 @@ exactly like one process.
 
 Grid: the seven schedules x {replicate, fsdp} x tp in {1, 2} at pp = 2 and dp = 2 (worlds of 4 and 8
 processes, each spawned once), plus corners: gradient accumulation, full recompute, explicit
-`layers_per_stage`, `stages_per_rank = 3`, tied embeddings under tp. For every configuration, on every
+`layers_per_stage`, `stages_per_rank = 3`, tied embeddings under tp, FSDP resharding after forward
+under 1F1B. For every configuration, on every
 rank (each dp replica, each stage): the losses of 5 steps and every gradient the rank holds after
 step 1 against the single-process reference, per tensor with `torch.testing.assert_close`
 (rtol 1e-5, atol 1e-7, fp32).
@@ -53,6 +54,7 @@ GRID: dict[int, dict[str, dict[str, Any]]] = {
 }
 CORNERS: dict[int, dict[str, dict[str, Any]]] = {
     4: {"tp1-1f1b-fsdp-layers-1-3": _configuration(1, "1f1b", "fsdp", layers_per_stage=(1, 3)),
+        "tp1-1f1b-fsdp-reshard-after-forward": _configuration(1, "1f1b", "fsdp", fsdp_reshard_after_forward=True),
         "tp1-interleaved_1f1b-replicate-3-stages-per-rank": _configuration(
             1, "interleaved_1f1b", "replicate", stages_per_rank=3, model=SIX_LAYERS),
         "tp1-looped_bfs-fsdp-3-stages-per-rank": _configuration(

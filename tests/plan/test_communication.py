@@ -71,3 +71,22 @@ def test_plan_json_and_table_carry_the_communication_ledger(tmp_path, capsys):
     assert "    1    dp       1       809.8      809.8    25.0      32.4         0.0" in lines
     assert main([*arguments, "--bandwidth", "tx=3"]) == 2
     assert "--bandwidth 'tx=3': write GROUP=GB/s" in capsys.readouterr().err
+
+
+def test_the_fsdp_gather_trade_off_is_in_both_ledgers_and_refused_where_it_breaks_gradients():
+    """Kept gathered (default under pp): the stage's parameters whole, 1 all-gather per unit and step;
+    resharded after forward: 2 layers' worth, 2 m all-gathers."""
+    from lightning_tp3d import TP3DStrategy
+    from lightning_tp3d.plan.ledger import training_ledger
+    from lightning_tp3d.plan.sharding import layer_parameters_per_rank
+
+    for reshard, gathered, gathers in ((None, 202_440_704 * 4, 1),
+                                       (True, 2 * layer_parameters_per_rank(SEVEN_B, 8) * 4, 2 * 8)):
+        options = TrainingOptions(seq_len=4096, data_parallel_mode="fsdp", fsdp_reshard_after_forward=reshard)
+        assert training_ledger(SEVEN_B, LAYOUT, options).stages[1].gathered_weight_bytes == gathered
+        counts = {transfer.count for transfer in communication_ledger(SEVEN_B, LAYOUT, options).stages[1]
+                  if transfer.operation == "all_gather"}
+        assert counts == {gathers}
+    with pytest.raises(ValueError, match=r"fsdp_reshard_after_forward=True cannot run pipeline_schedule='zbv_zero_bu"):
+        TP3DStrategy(pipeline_parallel_size=2, pipeline_schedule="zbv_zero_bubble", data_parallel_mode="fsdp",
+                     fsdp_reshard_after_forward=True)
