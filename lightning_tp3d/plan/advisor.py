@@ -78,8 +78,9 @@ class LayoutCandidate:
     def compared_with(self, best: LayoutCandidate) -> str:
         """Why this layout is where it is: its largest cost against the best layout's."""
         if self is best:
-            parts = sorted(self.parts().items(), key=lambda part: -part[1])[1:3]
-            return "best; beyond compute: " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in parts)
+            parts = [(name, seconds) for name, seconds in self.parts().items() if name != "compute" and seconds > 0]
+            listed = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in sorted(parts, key=lambda part: -part[1]))
+            return f"best; beyond compute: {listed or 'nothing'}"
         differences = {name: seconds - best.parts()[name] for name, seconds in self.parts().items()}
         name, difference = max(differences.items(), key=lambda item: item[1])
         cause = f"recompute={self.recompute}" if name == "compute" else name
