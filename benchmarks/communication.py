@@ -32,7 +32,7 @@ from common import MACHINE, benchmark_trainer
 
 BATCH, SEQ_LEN = 8, 16
 # (tp, pp, dp, num_microbatches, dp mode, precision, recompute): every dp mode, pp 2 at m = 2 and 8;
-# "fsdp-reshard" is FSDP with fsdp_reshard_after_forward=True.
+# "fsdp-reshard" / "fsdp-keep": FSDP with fsdp_reshard_after_forward=True / False.
 LAYOUTS = [
     (2, 1, 2, 1, "replicate", "32-true", "none"),
     (2, 1, 2, 1, "fsdp", "32-true", "none"),
@@ -43,14 +43,15 @@ LAYOUTS = [
     (1, 2, 2, 2, "fsdp", "32-true", "none"),
     (1, 2, 2, 8, "fsdp", "32-true", "none"),
     (1, 2, 2, 2, "fsdp-reshard", "32-true", "none"),
+    (1, 1, 4, 1, "fsdp-keep", "32-true", "none"),
     (2, 2, 1, 2, "replicate", "bf16-mixed", "none"),
 ]
 
 
 def _measure(tp: int, pp: int, dp: int, m: int, mode: str, precision: str, recompute: str) -> dict[str, Any]:
     record = RecordTraffic()
-    reshard = mode.endswith("-reshard") or None
-    mode = mode.removesuffix("-reshard")
+    reshard = {"-reshard": True, "-keep": False}.get(mode[mode.find("-"):] if "-" in mode else "")
+    mode = mode.split("-")[0]
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=m,
                             data_parallel_mode=mode, fsdp_reshard_after_forward=reshard, recompute=recompute)
     trainer = benchmark_trainer(4, strategy, 2, [record], precision=precision, log_every_n_steps=1)
@@ -74,7 +75,7 @@ def _measure(tp: int, pp: int, dp: int, m: int, mode: str, precision: str, recom
     torch.distributed.all_gather_object(gathered, {"rank": trainer.global_rank, "stage": stage, "groups": groups,
                                                    "every_transfer_equal": exact})
     return {"layout": {"tp": tp, "pp": pp, "dp": dp, "num_microbatches": m,
-                       "dp_mode": mode + ("-reshard" if reshard else ""),
+                       "dp_mode": mode + {True: "-reshard", False: "-keep", None: ""}[reshard],
                        "precision": precision, "recompute": recompute}, "ranks": gathered}
 
 

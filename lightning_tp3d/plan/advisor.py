@@ -2,7 +2,7 @@
 
 Searched: tp dividing the GPUs of a node (tp groups stay on NVLink) and the model's heads, pp dividing
 the rest (at most one layer per stage), dp = GPUs / (tp pp), the dp mode (replicate, FSDP, and under
-pipelining FSDP resharding after each forward: less memory, 2 m all-gathers per step) and the recompute
+pipelining FSDP resharding after each forward: less memory, m + 1 all-gathers per step) and the recompute
 (none, selective, full). The global batch B (sequences) is split into micro-batches of b: each
 dp rank takes B / (d b) of them, all in one pipeline pass when pp > 1 (m = B / (d b), needs m >= pp for
 1F1B), else accumulated (k = B / (d b)).

@@ -24,11 +24,13 @@ pp (per micro-batch, k m per step): a stage that is not last sends its b s h out
     that is not first sends the b s h input gradient back. So first and last stages send k m b s h
     elements, middle stages 2 k m b s h.
 dp `replicate`: the stage's gradients, one all-reduce of P_i (one bucket per gradient dtype) per step.
-dp `fsdp` (FSDP2, one unit per block plus one for the stage's other parameters): per unit one
-    all-gather of its shard (each parameter's dim 0 padded to a multiple of d) per step when the
-    parameters stay gathered through the step (the default under pipelining), 2 m when they are
-    resharded after each forward (forward and backward of each micro-batch; the default without
-    pipelining, m = 1), and one reduce-scatter of the padded unit; k times each when accumulating.
+dp `fsdp` (FSDP2, one unit per block plus one for the stage's other parameters): per unit and step
+    the all-gathers of its shard (each parameter's dim 0 padded to a multiple of d) and one
+    reduce-scatter of the padded unit, k times each when accumulating. All-gathers: 1 when the
+    parameters stay gathered through the step (the default under pipelining); resharded after each
+    forward, 2 without pipelining (forward, then again in backward; the default) and m + 1 under it
+    (each micro-batch's forward, and once for the backwards, between which pipelining keeps the unit
+    gathered; measured with 1F1B).
     gloo has no reduce-scatter: FSDP2 all-reduces the same payload there (`backend="gloo"`).
 Element sizes: under `32-true` everything is fp32. Under 16-bit autocast (`bf16-mixed`, `16-mixed`) the
     row-parallel outputs and the logits are 16-bit, while the residual stream, its gradients (the tp
@@ -190,7 +192,7 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
                 reduce = "reduce_scatter" if backend != "gloo" else "all_reduce"
                 steps = layout.gradient_accumulation_steps  # FSDP2 reduces after every accumulated batch
                 reshard = fsdp_reshards_after_forward(options.fsdp_reshard_after_forward, options.schedule, pp)
-                gathers = steps * (2 * layout.num_microbatches if reshard else 1)
+                gathers = steps * ((layout.num_microbatches + 1 if pp > 1 else 2) if reshard else 1)
                 units: list[tuple[list[tuple[int, ...]], int, str]] = [
                     (layer_shapes, gathers, f"block {index}") for index in layers]
                 if root_shapes:

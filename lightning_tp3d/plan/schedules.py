@@ -98,7 +98,7 @@ def fsdp_reshards_after_forward(choice: bool | None, schedule: str, pp_size: int
 
     None chooses: yes without pipelining (one unit gathered at a time, gathered again in backward); no
     under pipelining, where resharding would gather every unit again for every micro-batch's forward
-    and backward (2 m all-gathers per step instead of 1) at the price of keeping the stage's parameters
+    (m + 1 all-gathers per unit and step instead of 1) at the price of keeping the stage's parameters
     whole through the step. The split-backward schedules need them kept: their weight-gradient pass runs
     after FSDP2 would have resharded."""
     if choice is None:

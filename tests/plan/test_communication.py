@@ -75,13 +75,13 @@ def test_plan_json_and_table_carry_the_communication_ledger(tmp_path, capsys):
 
 def test_the_fsdp_gather_trade_off_is_in_both_ledgers_and_refused_where_it_breaks_gradients():
     """Kept gathered (default under pp): the stage's parameters whole, 1 all-gather per unit and step;
-    resharded after forward: 2 layers' worth, 2 m all-gathers."""
+    resharded after forward: 2 layers' worth, m + 1 all-gathers."""
     from lightning_tp3d import TP3DStrategy
     from lightning_tp3d.plan.ledger import training_ledger
     from lightning_tp3d.plan.sharding import layer_parameters_per_rank
 
     for reshard, gathered, gathers in ((None, 202_440_704 * 4, 1),
-                                       (True, 2 * layer_parameters_per_rank(SEVEN_B, 8) * 4, 2 * 8)):
+                                       (True, 2 * layer_parameters_per_rank(SEVEN_B, 8) * 4, 8 + 1)):
         options = TrainingOptions(seq_len=4096, data_parallel_mode="fsdp", fsdp_reshard_after_forward=reshard)
         assert training_ledger(SEVEN_B, LAYOUT, options).stages[1].gathered_weight_bytes == gathered
         counts = {transfer.count for transfer in communication_ledger(SEVEN_B, LAYOUT, options).stages[1]
