@@ -31,7 +31,8 @@ def benchmark_trainer(devices: int, strategy: Any, max_steps: int, callbacks: li
 
 class StepRecorder(Callback):
     """Each training step's wall time (a GPU synchronised at both ends), loss, pipeline idle fraction
-    (`TP3DStrategy.pipeline_timing`, when pipelining) and, with `keep_batches`, a copy of its batch."""
+    (`TP3DStrategy.pipeline_timing`, when pipelining), the time the dp gradient reduction took after
+    backward (`ParallelCore.last_gradient_wait_seconds`) and, with `keep_batches`, a copy of its batch."""
 
     def __init__(self, keep_batches: bool = False) -> None:
         self.keep_batches = keep_batches
@@ -39,6 +40,7 @@ class StepRecorder(Callback):
         self.seconds: list[float] = []
         self.losses: list[float] = []
         self.idle: list[float] = []
+        self.gradient_wait: list[float] = []  # host seconds the dp reduction took after backward
         self._started = 0.0
 
     @staticmethod
@@ -56,6 +58,9 @@ class StepRecorder(Callback):
         self._synchronize(trainer)
         self.seconds.append(time.perf_counter() - self._started)
         self.losses.append(float(outputs["loss"]))
+        core = getattr(trainer.strategy, "core", None)
+        if core is not None:
+            self.gradient_wait.append(core.last_gradient_wait_seconds)
         timing = getattr(trainer.strategy, "pipeline_timing", None)
         if timing is not None:
             self.idle.append(timing.idle_fraction)

@@ -10,6 +10,8 @@ alternating) and reports the median over rounds of the per-round ratio candidate
 * data parallel 2: `TP3DStrategy(data_parallel_size=2)` vs `DDPStrategy`;
 * tensor parallel 2: `TP3DStrategy(tensor_parallel_size=2)` vs `ModelParallelStrategy` given the same
   DTensor plan (`llama_tp_plan`) through its `parallelize_fn`;
+* dp gradient reduction overlapped with backward (the default) vs after it, at data parallel 2, with
+  the host time the reduction still takes once backward has ended (exposed);
 * activation recompute: `recompute="full"` and `"selective"` vs none, at data parallel 2 (full
   recompute repeats each block's forward in backward: (F + B + F) / (F + B) = 4/3 when B = 2F);
 * pipeline parallel 2: the idle fraction of each rank (`TP3DStrategy.pipeline_timing`) for GPipe and
@@ -52,7 +54,8 @@ def _run(strategy: Any, steps: int, batch: int, seq_len: int) -> dict[str, Any]:
     seconds = torch.tensor(timer.seconds[3:])  # after warm-up; slowest rank per step
     torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
     idle = statistics.mean(timer.idle[3:]) if timer.idle else None
-    return {"median_step_seconds": float(seconds.median()), "idle_fraction": idle}
+    wait = statistics.median(timer.gradient_wait[3:]) if timer.gradient_wait else None
+    return {"median_step_seconds": float(seconds.median()), "idle_fraction": idle, "gradient_wait_seconds": wait}
 
 
 def _with_parallelize(module: CausalLMModule) -> Any:
@@ -72,6 +75,8 @@ PAIRS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
     "tensor parallel 2: tp3d / ModelParallelStrategy": (
         lambda: ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
         lambda: TP3DStrategy(tensor_parallel_size=2)),
+    "overlapped / after-backward dp reduction (tp3d dp=2)": (
+        lambda: TP3DStrategy(overlap_gradient_reduction=False), TP3DStrategy),
     "recompute full / none (tp3d dp=2)": (TP3DStrategy, lambda: TP3DStrategy(recompute="full")),
     "recompute selective / none (tp3d dp=2)": (TP3DStrategy, lambda: TP3DStrategy(recompute="selective")),
 }
@@ -82,9 +87,13 @@ def _paired_rounds(make_baseline: Callable[[], Any], make_candidate: Callable[[]
     pairs = []
     for index in range(rounds):
         makers = (make_baseline, make_candidate) if index % 2 == 0 else (make_candidate, make_baseline)
-        first, second = (_run(make(), args.steps, args.batch, args.seq_len)["median_step_seconds"] for make in makers)
+        first, second = (_run(make(), args.steps, args.batch, args.seq_len) for make in makers)
         baseline, candidate = (first, second) if index % 2 == 0 else (second, first)
-        pairs.append({"baseline_seconds": baseline, "candidate_seconds": candidate, "ratio": candidate / baseline})
+        pairs.append({"baseline_seconds": baseline["median_step_seconds"],
+                      "candidate_seconds": candidate["median_step_seconds"],
+                      "ratio": candidate["median_step_seconds"] / baseline["median_step_seconds"],
+                      "baseline_gradient_wait_seconds": baseline["gradient_wait_seconds"],
+                      "candidate_gradient_wait_seconds": candidate["gradient_wait_seconds"]})
     return {"median_ratio": statistics.median(pair["ratio"] for pair in pairs),
             "median_baseline_seconds": statistics.median(pair["baseline_seconds"] for pair in pairs),
             "median_candidate_seconds": statistics.median(pair["candidate_seconds"] for pair in pairs),
@@ -117,6 +126,13 @@ def main() -> None:
         rounds = ", ".join(f"{pair['ratio']:.3f}" for pair in result["rounds"])
         print(f"{name:48s} {result['median_baseline_seconds'] * 1e3:7.1f} -> "
               f"{result['median_candidate_seconds'] * 1e3:7.1f} ms  ratio {result['median_ratio']:.3f} ({rounds})")
+        waits = [(pair["baseline_gradient_wait_seconds"], pair["candidate_gradient_wait_seconds"])
+                 for pair in result["rounds"]]
+        if all(None not in wait for wait in waits):
+            result["median_gradient_wait_seconds"] = [statistics.median(wait[0] for wait in waits),
+                                                      statistics.median(wait[1] for wait in waits)]
+            print(f"{'':48s} dp reduction after backward: {result['median_gradient_wait_seconds'][0] * 1e3:.2f} ->"
+                  f" {result['median_gradient_wait_seconds'][1] * 1e3:.2f} ms")
     for name, run in results["pipeline"].items():
         print(f"pp=2 {name:12s} {run['median_step_seconds'] * 1e3:7.1f} ms  idle {run['idle_fraction']:.1%}"
               f" (theory {run['theory_idle_fraction']:.1%})")

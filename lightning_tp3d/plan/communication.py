@@ -23,7 +23,9 @@ tp (Megatron's count, per micro-batch and pass, k m passes per step):
 pp (per micro-batch, k m per step): a stage that is not last sends its b s h output forward; a stage
     that is not first sends the b s h input gradient back. So first and last stages send k m b s h
     elements, middle stages 2 k m b s h.
-dp `replicate`: the stage's gradients, one all-reduce of P_i (one bucket per gradient dtype) per step.
+dp `replicate`: the stage's gradients, P_i, all-reduced once per step: in buckets of at most 25 MiB
+    during backward without pipelining (`parallel.overlap`: parameters packed in reverse order, a
+    bucket closed when the next one would overflow it), else in one flat all-reduce after backward.
 dp `fsdp` (FSDP2, one unit per block plus one for the stage's other parameters): per unit and step
     the all-gathers of its shard (each parameter's dim 0 padded to a multiple of d) and one
     reduce-scatter of the padded unit, k times each when accumulating. All-gathers: 1 when the
@@ -41,7 +43,9 @@ Control scalars (the non-finite-step flag over all ranks, the loss broadcast ove
 
 Estimated time per group = sent bytes / link bandwidth. What overlap can hide: FSDP2 prefetches the
 next unit's all-gather and reduce-scatters while computing, and pipeline sends are asynchronous; the tp
-all-reduces sit on the critical path, and the `replicate` all-reduce runs after backward (exposed).
+all-reduces sit on the critical path. The `replicate` buckets overlap with backward, except the last
+one (about one bucket's time is exposed); with pipelining, or `overlap_gradient_reduction=False`, the
+reduction runs after backward (exposed).
 """
 
 from __future__ import annotations
@@ -57,12 +61,11 @@ from lightning_tp3d.plan.recompute import recomputed_layers
 from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, LAYER_WEIGHTS, WeightSplit
 
-__all__ = ["DEFAULT_LINKS_GBPS", "GROUPS", "HIDDEN_BY_OVERLAP", "CommunicationLedger", "Transfer",
+__all__ = ["BUCKET_BYTES", "DEFAULT_LINKS_GBPS", "GROUPS", "CommunicationLedger", "Transfer",
            "communication_ledger", "group_bandwidths", "groups_inside_a_node"]
 
 GROUPS = ("tp", "pp", "dp")
-# Operations that overlap with compute (see the module docstring); the rest is exposed.
-HIDDEN_BY_OVERLAP = {("dp", "all_gather"), ("dp", "reduce_scatter"), ("pp", "send")}
+BUCKET_BYTES = 25 * 2**20  # the overlapped replicate reduction's bucket size, DDP's default bucket_cap_mb
 # Bus bandwidth of a link (GB/s, 10^9 bytes), `tp3d doctor`'s floors: NVLink inside a node, InfiniBand across.
 DEFAULT_LINKS_GBPS = {"intra_node": 100.0, "inter_node": 10.0}
 _RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1,
@@ -79,6 +82,7 @@ class Transfer:
     elements: int
     element_bytes: int
     what: str
+    hideable: bool = False  # overlaps with compute (see the module docstring)
 
     @property
     def payload_bytes(self) -> int:
@@ -118,7 +122,7 @@ class CommunicationLedger:
             transfers = [transfer for transfer in self.stages[stage] if transfer.group == group]
             total = sum(transfer.sent_bytes(self.group_sizes[group]) for transfer in transfers) / bandwidth[group]
             hidden = sum(transfer.sent_bytes(self.group_sizes[group]) for transfer in transfers
-                         if (group, transfer.operation) in HIDDEN_BY_OVERLAP) / bandwidth[group]
+                         if transfer.hideable) / bandwidth[group]
             result[group] = {"seconds": total, "hideable_seconds": hidden}
         return result
 
@@ -142,6 +146,25 @@ def _local_shape(weight: WeightSplit, config: ModelConfig, tp: int) -> tuple[int
 def _fsdp_shard(shapes: list[tuple[int, ...]], dp: int) -> int:
     """Elements of one dp rank's FSDP2 shard of a unit: each parameter's dim 0 padded to a multiple of d."""
     return sum(-(-shape[0] // dp) * math.prod(shape[1:]) for shape in shapes)
+
+
+def _registration_order(root_shapes: list[tuple[int, ...]], layer_shapes: list[tuple[int, ...]],
+                        num_layers: int) -> list[int]:
+    """Parameter sizes in the order a network registers them: embedding, the blocks, final norm, head."""
+    sizes = [math.prod(shape) for shape in layer_shapes] * num_layers
+    roots = [math.prod(shape) for shape in root_shapes]
+    return roots[:1] + sizes + roots[1:]
+
+
+def _buckets(sizes: list[int], element_bytes: int) -> list[int]:
+    """Elements of each bucket: parameters taken in reverse order, a bucket closed when the next parameter
+    would take it over `BUCKET_BYTES` (`parallel.overlap.OverlappedGradientReduction`)."""
+    buckets: list[int] = []
+    for size in reversed(sizes):
+        if not buckets or (buckets[-1] + size) * element_bytes > BUCKET_BYTES:
+            buckets.append(0)
+        buckets[-1] += size
+    return buckets
 
 
 def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: TrainingOptions,
@@ -175,7 +198,7 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
         if pp > 1:
             sends = (not last) + (not first)
             transfers.append(Transfer("pp", "send", passes * sends, tokens * h, stream,
-                                      "activations forward, their gradients back"))
+                                      "activations forward, their gradients back", hideable=True))
         if dp > 1:
             root_shapes = []
             if first:
@@ -184,10 +207,15 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
                 root_shapes.append(_local_shape(FINAL_NORM, config, tp))
                 if not (config.tie_word_embeddings and first):
                     root_shapes.append(_local_shape(HEAD, config, tp))
-            if options.data_parallel_mode == "replicate":
+            if options.data_parallel_mode == "replicate" and options.overlap_gradient_reduction and pp == 1:
+                buckets = _buckets(_registration_order(root_shapes, layer_shapes, len(layers)), stream)
+                for index, elements in enumerate(buckets):  # all but the last launched overlap with backward
+                    transfers.append(Transfer("dp", "all_reduce", 1, elements, stream, "gradients, one bucket",
+                                              hideable=index < len(buckets) - 1))
+            elif options.data_parallel_mode == "replicate":
                 elements = len(layers) * sum(math.prod(shape) for shape in layer_shapes)
                 elements += sum(math.prod(shape) for shape in root_shapes)
-                transfers.append(Transfer("dp", "all_reduce", 1, elements, stream, "gradients (one bucket)"))
+                transfers.append(Transfer("dp", "all_reduce", 1, elements, stream, "gradients, after backward"))
             else:
                 reduce = "reduce_scatter" if backend != "gloo" else "all_reduce"
                 steps = layout.gradient_accumulation_steps  # FSDP2 reduces after every accumulated batch
@@ -199,8 +227,10 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
                     units.append((root_shapes, gathers, "stage root (embedding / norm / head)"))
                 for shapes, gathered, name in units:
                     shard = _fsdp_shard(shapes, dp)
-                    transfers.append(Transfer("dp", "all_gather", gathered, shard, stream, f"parameters of {name}"))
-                    transfers.append(Transfer("dp", reduce, steps, shard * dp, stream, f"gradients of {name}"))
+                    transfers.append(Transfer("dp", "all_gather", gathered, shard, stream, f"parameters of {name}",
+                                              hideable=True))
+                    transfers.append(Transfer("dp", reduce, steps, shard * dp, stream, f"gradients of {name}",
+                                              hideable=True))
         stages.append(transfers)
     return CommunicationLedger({"tp": tp, "pp": pp, "dp": dp}, stages)
 

@@ -83,6 +83,7 @@ class TrainingOptions:
     recompute_method: Literal["uniform", "block"] = "uniform"
     recompute_num_layers: int = 1
     fsdp_reshard_after_forward: bool | None = None  # None: yes without pipelining, no under it
+    overlap_gradient_reduction: bool = True  # replicate mode without pipelining: buckets during backward
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

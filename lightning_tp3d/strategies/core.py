@@ -10,6 +10,7 @@ mechanics live in `lightning_tp3d.parallel` and `lightning_tp3d.io`; `TP3DStrate
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -46,6 +47,7 @@ from lightning_tp3d.parallel.data import all_reduce_gradients, apply_fsdp
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
 from lightning_tp3d.parallel.materialize import materialize_network
 from lightning_tp3d.parallel.mesh import build_device_mesh, mesh_device
+from lightning_tp3d.parallel.overlap import OverlappedGradientReduction
 from lightning_tp3d.parallel.paths import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.pipeline import (
     GradientHandOver,
@@ -107,6 +109,9 @@ class ParallelCore:
         self._mesh: DeviceMesh | None = None
         self._parallelized: nn.Module | None = None
         self._handover: GradientHandOver | None = None
+        self._overlap: OverlappedGradientReduction | None = None
+        self._overlap_parameters: list[int] = []
+        self.last_gradient_wait_seconds = 0.0
 
     # ------------------------------------------------------------------ layout and mesh
     @property
@@ -232,13 +237,34 @@ class ParallelCore:
         if self._handover is not None:
             self._handover.take()
 
+    def before_backward(self, parameters: Iterable[nn.Parameter], completes_gradients: bool) -> None:
+        """Arm the dp reduction overlapped with the coming backward (`parallel.overlap`: replicate mode,
+        dp > 1, no pipeline, `overlap_gradient_reduction`); `completes_gradients`: the last backward before
+        the optimizer step (not an accumulating one)."""
+        if not (self.options.overlap_gradient_reduction and self.data_parallel_mode == "replicate"
+                and self.layout.data_parallel_size > 1 and self.pipeline is None):
+            return
+        parameters = [parameter for parameter in parameters if parameter.requires_grad]
+        if self._overlap is None or self._overlap_parameters != [id(parameter) for parameter in parameters]:
+            if self._overlap is not None:
+                self._overlap.remove()
+            self._overlap = OverlappedGradientReduction(parameters, self.group("dp"), self.layout.data_parallel_size)
+            self._overlap_parameters = [id(parameter) for parameter in parameters]
+        self._overlap.sync = completes_gradients
+
     def all_reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
         """Shard each gradient like its parameter (see `shard_gradients_like_parameters`), then average
-        gradients over dp in `"replicate"` mode (FSDP2 reduce-scatters them itself)."""
+        gradients over dp in `"replicate"` mode (FSDP2 reduce-scatters them itself): what the overlapped
+        reduction launched during backward is waited for, the rest reduced now. The host seconds this
+        takes after backward are kept in `last_gradient_wait_seconds` (the exposed dp time)."""
+        started = time.perf_counter()
         parameters = list(parameters)
+        if self._overlap is not None:
+            self._overlap.finish()
         shard_gradients_like_parameters(parameters)
-        if self.data_parallel_mode == "replicate" and self.layout.data_parallel_size > 1:
+        if self._overlap is None and self.data_parallel_mode == "replicate" and self.layout.data_parallel_size > 1:
             all_reduce_gradients(parameters, self.group("dp"), self.layout.data_parallel_size)
+        self.last_gradient_wait_seconds = time.perf_counter() - started
 
     def clip_gradients_by_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale gradients so their global 2-norm (tp shards, dp shards, pp stages) is at most `max_norm`;

@@ -84,6 +84,7 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         data_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_mode: Literal["replicate", "fsdp"] = "replicate",
         fsdp_reshard_after_forward: bool | None = None,
+        overlap_gradient_reduction: bool = True,
         num_microbatches: int | None = None,
         pipeline_schedule: str = "1f1b",
         stages_per_rank: int = 2,
@@ -135,12 +136,14 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         """Under pipelining the schedule already ran backward in the forward call: the backward of `tensor`
         (the returned loss, scaled by the loop, e.g. `loss / k` when accumulating) fixes the factor the
         schedule's gradients are added with."""
+        network = module if module is not None else self._network
+        if network is not None:
+            self.core.before_backward(network.parameters(), completes_gradients=self._gradient_sync)
         super().backward(tensor, module, *args, **kwargs)
         self._last_loss = tensor.detach()
         if self.core.pipeline is not None:
             self.core.take_pipeline_gradients()
         # `fabric.backward(loss)` without `model=` passes no module: reduce the network this strategy set up.
-        network = module if module is not None else self._network
         if self._gradient_sync and network is not None:
             self.core.all_reduce_gradients(network.parameters())
 

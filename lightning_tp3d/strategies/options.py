@@ -39,6 +39,7 @@ class ParallelOptions:
     data_parallel_size: int | str = "auto"
     data_parallel_mode: str = "replicate"
     fsdp_reshard_after_forward: bool | None = None
+    overlap_gradient_reduction: bool = True
     num_microbatches: int | None = None
     pipeline_schedule: str = "1f1b"
     stages_per_rank: int = 2

@@ -79,6 +79,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         fsdp_reshard_after_forward: free a block's gathered parameters after its forward (FSDP2); None:
             yes without pipelining, no under it (gather once per step, keep the stage whole; see
             `plan.schedules.fsdp_reshards_after_forward`, refused with the split-backward schedules).
+        overlap_gradient_reduction: in `"replicate"` mode without pipelining, all-reduce the gradients in
+            buckets while backward runs (as DDP does, `parallel.overlap`) instead of after it.
         tp_plan: module-name pattern -> `ParallelStyle` mapping, a function returning one, or its
             import path `"package.module:function"`; default: the plan for Hugging Face Llama names.
         model_attribute: attribute of the LightningModule holding the network to parallelise.
@@ -120,6 +122,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         data_parallel_size: int | Literal["auto"] = "auto",
         data_parallel_mode: Literal["replicate", "fsdp"] = "replicate",
         fsdp_reshard_after_forward: bool | None = None,
+        overlap_gradient_reduction: bool = True,
         num_microbatches: int | None = None,
         pipeline_schedule: str = "1f1b",
         stages_per_rank: int = 2,
@@ -276,6 +279,9 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Under pipelining the schedule already ran backward inside `training_step`; only the hooks run."""
         if self.core.pipeline is None:
+            trainer = self.lightning_module.trainer
+            last = self.lightning_module.automatic_optimization and not trainer.fit_loop._should_accumulate()
+            self.core.before_backward(self.lightning_module.parameters(), completes_gradients=last)
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)

@@ -90,3 +90,19 @@ def test_the_fsdp_gather_trade_off_is_in_both_ledgers_and_refused_where_it_break
     with pytest.raises(ValueError, match=r"fsdp_reshard_after_forward=True cannot run pipeline_schedule='zbv_zero_bu"):
         TP3DStrategy(pipeline_parallel_size=2, pipeline_schedule="zbv_zero_bubble", data_parallel_mode="fsdp",
                      fsdp_reshard_after_forward=True)
+
+
+def test_replicate_without_pipelining_reduces_in_buckets_during_backward():
+    """tp 8, dp 8: the rank's 958M gradients (fp32) go in buckets of <= 25 MiB (a larger parameter, like the
+    vocab-parallel embedding, fills one alone); all but the last launched can hide behind backward."""
+    from lightning_tp3d.plan.ledger import training_ledger
+
+    layout = ParallelLayout(tensor_parallel_size=8, data_parallel_size=8)
+    options = TrainingOptions(seq_len=4096)
+    buckets = [transfer for transfer in communication_ledger(SEVEN_B, layout, options).stages[0]
+               if transfer.group == "dp"]
+    assert sum(bucket.elements for bucket in buckets) == training_ledger(SEVEN_B, layout, options).stages[0].parameters
+    assert len(buckets) > 30 and [bucket.hideable for bucket in buckets] == [True] * (len(buckets) - 1) + [False]
+    after_backward = communication_ledger(SEVEN_B, layout, TrainingOptions(seq_len=4096,
+                                                                           overlap_gradient_reduction=False))
+    assert [transfer.count for transfer in after_backward.stages[0] if transfer.group == "dp"] == [1]
