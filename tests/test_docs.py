@@ -30,7 +30,7 @@ def _blocks(page: Path) -> list[tuple[str, str]]:
 def test_pages_have_runnable_code():
     assert {page.name for page in PAGES if _blocks(page)} >= {
         "quickstart.md", "concepts.md", "plugging_in.md", "checkpoints.md", "export_and_serving.md",
-        "precision_and_recompute.md", "doctor_and_serving_plan.md", "launching.md", "fabric.md"}
+        "precision_and_recompute.md", "doctor_and_serving_plan.md", "launching.md", "fabric.md", "communication.md"}
 
 
 @pytest.mark.parametrize("page", [page for page in PAGES if _blocks(page)], ids=lambda page: page.name)
