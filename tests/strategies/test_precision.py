@@ -1,7 +1,8 @@
 """Mixed precision under tensor and pipeline parallelism, against single-process runs in the same
 precision, with tolerances shown to reject the wrong precision.
 
-* bf16-mixed at (tp, pp, dp) = (2, 2, 1) with 1F1B and (1, 2, 2) with ZBVZeroBubble + FSDP2: losses of
+* bf16-mixed at (tp, pp, dp) = (2, 2, 1) with 1F1B, (1, 2, 2) with ZBVZeroBubble + FSDP2 and (1, 1, 4)
+  replicate (the dp reduction overlapped with backward): losses of
   10 steps against the single-process bf16 autocast run (mean |difference| <= 6e-4, a sanity check: an
   fp32 run's losses can be as close), and at (1, 2, 2) every first-step gradient (relative norm of the
   difference <= 5e-3, which the fp32 run's gradients exceed: asserted). The fp32 parity tolerance
@@ -107,7 +108,9 @@ def run_precision_world(directory: str) -> dict[str, Any]:
     bf16_dtypes, capture = LinearOutputDtypes(), CaptureGradients()
     bf16_mixed = {"losses": _fit(2, 2, STEPS, "bf16-mixed", [bf16_dtypes]), "dtypes": bf16_dtypes.dtypes,
                   "no_tp_losses": _fit(1, 2, STEPS, "bf16-mixed", [capture], schedule="zbv_zero_bubble", mode="fsdp"),
-                  "no_tp_first_grads": capture.first_grads}
+                  "no_tp_first_grads": capture.first_grads,
+                  # (1, 1, 4) replicate: the dp reduction overlapped with backward, on bf16-autocast gradients.
+                  "data_parallel_losses": _fit(1, 1, STEPS, "bf16-mixed")}
     return {"straight": straight, "scales": watch.scales, "changed": watch.changed, "resumed": resumed,
             "resumed_scales": resumed_watch.scales, "fp16_dtypes": fp16_dtypes.dtypes, "bf16_true": bf16_true,
             "bf16_true_dtypes": dtypes.dtypes, "bf16_mixed": bf16_mixed}
@@ -167,6 +170,7 @@ def test_bf16_mixed_matches_single_process_bf16_and_fp32_is_rejected(fp16, refer
         assert rank["dtypes"] == {"torch.bfloat16"}
         assert _mean_difference(rank["losses"], bf16["losses"]) <= BF16_MIXED_LOSS_TOLERANCE
         assert _mean_difference(rank["no_tp_losses"], bf16["losses"]) <= BF16_MIXED_LOSS_TOLERANCE
+        assert _mean_difference(rank["data_parallel_losses"], bf16["losses"]) <= BF16_MIXED_LOSS_TOLERANCE
         gradients.update(rank["no_tp_first_grads"])
     assert gradients.keys() == bf16["first_grads"].keys()
     assert _worst_relative_gradient_difference(gradients, bf16["first_grads"]) <= BF16_MIXED_GRADIENT_TOLERANCE
