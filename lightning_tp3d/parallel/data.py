@@ -23,7 +23,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+
+from lightning_tp3d.parallel.tensor import local_part
 
 __all__ = ["DataParallelMode", "DATA_PARALLEL_MODES", "all_reduce_gradients", "apply_fsdp"]
 
@@ -53,7 +54,7 @@ def _local_gradient(parameter: nn.Parameter) -> torch.Tensor | None:
     grad = parameter.grad
     if grad is None:
         return None
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+    return local_part(grad)
 
 
 @torch.no_grad()

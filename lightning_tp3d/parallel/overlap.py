@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
 
-from lightning_tp3d.parallel.tensor import shard_gradients_like_parameters
+from lightning_tp3d.parallel.tensor import local_part, shard_gradients_like_parameters
 from lightning_tp3d.plan.communication import BUCKET_BYTES
 
 __all__ = ["OverlappedGradientReduction"]
@@ -40,12 +39,8 @@ class _Bucket:
     launched: bool = False
 
 
-def _local(gradient: torch.Tensor) -> torch.Tensor:
-    return gradient.to_local() if isinstance(gradient, DTensor) else gradient
-
-
 def _local_bytes(parameter: nn.Parameter) -> int:
-    return _local(parameter.detach()).numel() * parameter.element_size()
+    return local_part(parameter.detach()).numel() * parameter.element_size()
 
 
 class OverlappedGradientReduction:
@@ -61,11 +56,12 @@ class OverlappedGradientReduction:
         open_buckets: dict[torch.dtype, tuple[_Bucket, int]] = {}
         for parameter in reversed([parameter for parameter in parameters if parameter.requires_grad]):
             bucket, size = open_buckets.get(parameter.dtype, (None, 0))
-            if bucket is None or size + _local_bytes(parameter) > bucket_bytes and bucket.parameters:
+            added = _local_bytes(parameter)
+            if bucket is None or size + added > bucket_bytes and bucket.parameters:
                 bucket, size = _Bucket([]), 0
                 self.buckets.append(bucket)
             bucket.parameters.append(parameter)
-            open_buckets[parameter.dtype] = (bucket, size + _local_bytes(parameter))
+            open_buckets[parameter.dtype] = (bucket, size + added)
             self._bucket_of[id(parameter)] = bucket
         self._hooks = [parameter.register_post_accumulate_grad_hook(self._gradient_ready)
                        for bucket in self.buckets for parameter in bucket.parameters]
@@ -90,7 +86,7 @@ class OverlappedGradientReduction:
         if not with_gradients:
             return
         shard_gradients_like_parameters(with_gradients)
-        grads = [_local(parameter.grad) for parameter in with_gradients]
+        grads = [local_part(parameter.grad) for parameter in with_gradients]
         if len(self._in_flight) >= self.max_in_flight:
             self._complete(self._in_flight.pop(0))
         flat = _flatten_dense_tensors(grads)

@@ -44,6 +44,7 @@ from lightning_tp3d.plan.sharding import EMBEDDING, HEAD, LAYER_WEIGHTS
 
 __all__ = [
     "ReplicateBlockInput",
+    "local_part",
     "TensorParallelPlan",
     "apply_tensor_parallel",
     "check_plan_matches",
@@ -145,6 +146,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
                 )
     retie(tied_groups)
     return model
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of a DTensor (a view of its storage); a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def shard_gradients_like_parameters(parameters: Iterable[torch.Tensor]) -> None:

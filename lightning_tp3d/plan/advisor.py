@@ -11,8 +11,8 @@ A layout fits when the memory ledger's peak rank (`plan.ledger`) is within `usab
 GPU's memory, the rest being for the CUDA context, NCCL buffers and fragmentation. Fitting layouts are
 ranked by the predicted step time of their slowest stage:
 
-    compute  = FLOPs per step / (GPUs x peak x MFU), FLOPs = 6 N + 12 L h s per token (`training_flops_per_token`)
-               plus the recomputed forward: 2 N_layers + 4 L h s per token for `full`, 4 L h s for `selective`
+    compute  = FLOPs per step / (GPUs x peak x MFU), FLOPs per token from `training_flops_per_token`,
+               the forward that recompute repeats included
     bubble   = compute x (pp - 1) / m                                      (GPipe / 1F1B)
     exposed  = sum over groups of the communication time overlap cannot hide (`plan.communication`):
                tp all-reduces and the replicate all-reduce in full, FSDP and pipeline transfers only
@@ -91,19 +91,10 @@ def _divisors(value: int) -> list[int]:
     return [candidate for candidate in range(1, value + 1) if value % candidate == 0]
 
 
-def _flops_per_token(config: ModelConfig, seq_len: int, recompute: str) -> float:
-    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
-    layers_matmul = config.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size)
-    attention_core_forward = 4 * config.num_hidden_layers * h * seq_len
-    extra = {"none": 0, "selective": attention_core_forward,
-             "full": 2 * layers_matmul + attention_core_forward}[recompute]
-    return training_flops_per_token(config, seq_len) + extra
-
-
 def _candidate(config: ModelConfig, cluster: Cluster, layout: ParallelLayout, options: TrainingOptions,
                global_batch_size: int) -> LayoutCandidate:
     peak = training_ledger(config, layout, options).peak_stage.total_bytes
-    flops = _flops_per_token(config, options.seq_len, options.recompute) * global_batch_size * options.seq_len
+    flops = training_flops_per_token(config, options.seq_len, options.recompute) * global_batch_size * options.seq_len
     compute = flops / (cluster.gpus * cluster.peak_tflops * 1e12 * cluster.mfu)
     pp, m = layout.pipeline_parallel_size, layout.num_microbatches
     bubble = compute * (pp - 1) / m

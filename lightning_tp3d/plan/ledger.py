@@ -143,14 +143,18 @@ def _layer_activation_elements(config: ModelConfig, tp: int, seq_len: int, micro
     return seq_len * micro_batch * (4 * h + (heads + 5 * h + 4 * f) // tp)
 
 
-def training_flops_per_token(config: ModelConfig, seq_len: int) -> int:
+def training_flops_per_token(config: ModelConfig, seq_len: int, recompute: str = "none") -> int:
     """Training FLOPs (forward + backward) per token, as Megatron and PaLM count them:
     6 x the matmul parameters (every layer's q, k, v, o, gate, up, down and the head; the embedding is a
-    lookup) + 12 x layers x hidden x sequence length for the attention scores and their weighted sum."""
+    lookup) + 12 x layers x hidden x sequence length for the attention scores and their weighted sum.
+    Recompute adds the forward it repeats: 2 x the layers' matmul parameters + 4 L h s for `full`, the
+    attention core's 4 L h s for `selective`."""
     h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
-    layer = 2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size
-    matmul_parameters = config.num_hidden_layers * layer + config.vocab_size * h
-    return 6 * matmul_parameters + 12 * config.num_hidden_layers * h * seq_len
+    layers = config.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size)
+    attention_core_forward = 4 * config.num_hidden_layers * h * seq_len
+    repeated = {"none": 0, "selective": attention_core_forward,
+                "full": 2 * layers + attention_core_forward}[recompute]
+    return 6 * (layers + config.vocab_size * h) + 3 * attention_core_forward + repeated
 
 
 def training_ledger(config: ModelConfig, layout: ParallelLayout, options: TrainingOptions) -> TrainingLedger:

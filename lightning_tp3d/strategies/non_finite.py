@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from lightning_tp3d.parallel.tensor import local_part
 
 __all__ = ["NonFiniteStepGuard", "NonFiniteStepsError", "hold_schedulers_on_skipped_steps", "release_schedulers"]
 
@@ -57,7 +58,7 @@ class NonFiniteStepGuard:
         bad = torch.zeros((), dtype=torch.float32, device=device)
         if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
             bad.fill_(1.0)
-        local_gradients = [_local(parameter.grad) for parameter in parameters if parameter.grad is not None]
+        local_gradients = [local_part(parameter.grad) for parameter in parameters if parameter.grad is not None]
         if local_gradients:
             norms = torch.stack([norm.float() for norm in torch._foreach_norm(local_gradients)])
             if not bool(torch.isfinite(norms).all()):
@@ -107,7 +108,3 @@ def hold_schedulers_on_skipped_steps(module: Any, scheduler_configs: Sequence[An
 def release_schedulers(module: Any) -> None:
     """Undo `hold_schedulers_on_skipped_steps`: the module's own hook again."""
     module.__dict__.pop("lr_scheduler_step", None)
-
-
-def _local(gradient: torch.Tensor) -> torch.Tensor:
-    return gradient.to_local() if isinstance(gradient, DTensor) else gradient
