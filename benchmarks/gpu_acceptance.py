@@ -24,6 +24,9 @@ Stages (each records `passed` in the JSON, with its figures):
    (`ledger.training_flops_per_token`), MFU against the device's dense peak for that precision
    (`dense_peak_tflops`: H100 / H200 SXM or NVL by device name, or `--peak-tflops`), and the peak
    allocated memory against `training_ledger`'s total for this layout.
+6. overhead (one device only): `--overhead-rounds` paired rounds of the throughput model under
+   Lightning's own single-device strategy and under `TP3DStrategy` at (1, 1, 1), order alternating; the
+   median of the per-round ratios of median step times (tp3d / Lightning).
 """
 
 from __future__ import annotations
@@ -215,16 +218,23 @@ def _model_config(name: str) -> ModelConfig:
     return ONE_BILLION if name == "1b" else resolve_model_config(name)
 
 
-def throughput(args: argparse.Namespace, token_file: Path) -> dict[str, Any]:
+def _timed_fit(args: argparse.Namespace, strategy: Any, token_file: Path, warmup: int, steps: int) -> StepRecorder:
+    """Fit the `--model` for `warmup + steps` steps on the random tokens; the recorder holds each step."""
     config = _model_config(args.model)
     recorder = StepRecorder()
-    trainer = benchmark_trainer(_devices(args), _strategy(args), args.warmup + args.steps, [recorder],
-                                args.accelerator, precision=args.precision)
+    trainer = benchmark_trainer(_devices(args), strategy, warmup + steps, [recorder], args.accelerator,
+                                precision=args.precision)
     data = TokenDataModule(source=str(token_file), seq_len=args.seq_len, batch_size=args.micro_batch,
                            vocab_size=config.vocab_size)
+    trainer.fit(CausalLMModule(config), data)
+    return recorder
+
+
+def throughput(args: argparse.Namespace, token_file: Path) -> dict[str, Any]:
+    config = _model_config(args.model)
     if args.accelerator == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    trainer.fit(CausalLMModule(config), data)
+    recorder = _timed_fit(args, _strategy(args), token_file, args.warmup, args.steps)
     step_seconds = statistics.median(recorder.seconds[args.warmup:])
     tokens_per_second = args.micro_batch * args.seq_len / step_seconds
     flops_per_token = training_flops_per_token(config, args.seq_len)
@@ -252,6 +262,24 @@ def throughput(args: argparse.Namespace, token_file: Path) -> dict[str, Any]:
     return result
 
 
+def overhead(args: argparse.Namespace, token_file: Path) -> dict[str, Any]:
+    """Paired rounds: Lightning's single-device strategy and `TP3DStrategy` at (1, 1, 1) back to back."""
+    if _devices(args) > 1 or args.overhead_rounds == 0:
+        return {"skipped": "paired against Lightning's single-device strategy on one device only"}
+    rounds = []
+    for index in range(args.overhead_rounds):
+        runs = {}
+        order = ("lightning", "tp3d") if index % 2 == 0 else ("tp3d", "lightning")
+        for name in order:
+            strategy = "auto" if name == "lightning" else _strategy(args)
+            recorder = _timed_fit(args, strategy, token_file, 3, args.overhead_steps)
+            runs[name] = statistics.median(recorder.seconds[3:])
+        rounds.append({"lightning_seconds": runs["lightning"], "tp3d_seconds": runs["tp3d"],
+                       "ratio": runs["tp3d"] / runs["lightning"]})
+    ratio = statistics.median(entry["ratio"] for entry in rounds)
+    return {"median_ratio": ratio, "rounds": rounds}  # a measurement, reported beside the pass / fail stages
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator", default="cuda", choices=["cuda", "cpu"])
@@ -264,6 +292,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--parity-steps", type=int, default=5)
+    parser.add_argument("--overhead-rounds", type=int, default=2, help="paired rounds against Lightning (0: skip)")
+    parser.add_argument("--overhead-steps", type=int, default=8, help="timed steps per run in those rounds")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: by name)")
     parser.add_argument("--output", default="gpu_acceptance.json")
     args = parser.parse_args()
@@ -274,11 +304,14 @@ def main() -> None:
         results["lifecycle"] = lifecycle(args, Path(folder))
         results["timing"] = timing(args)
         token_file = Path(folder) / "tokens.npy"
-        tokens_needed = (args.warmup + args.steps + 1) * args.micro_batch * (args.seq_len + 1) * 2 * args.layout[2]
+        steps = max(args.warmup + args.steps, 3 + args.overhead_steps) + 1
+        tokens_needed = steps * args.micro_batch * (args.seq_len + 1) * 2 * args.layout[2]
         vocab = _model_config(args.model).vocab_size
         np.save(token_file, np.random.default_rng(0).integers(0, vocab, tokens_needed, dtype=np.int64))
         results["throughput"] = throughput(args, token_file)
-    stages = [name for name in ("parity", "autocast", "lifecycle", "timing", "throughput") if "passed" in results[name]]
+        results["overhead"] = overhead(args, token_file)
+    stages = [name for name in ("parity", "autocast", "lifecycle", "timing", "throughput", "overhead")
+              if "passed" in results[name]]
     results["passed"] = all(results[name]["passed"] for name in stages)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         for name in stages:
@@ -287,6 +320,9 @@ def main() -> None:
         print(f"{run['parameters'] / 1e6:,.1f}M parameters, {args.precision}: {run['median_step_seconds'] * 1e3:.1f}"
               f" ms/step, {run['tokens_per_second_per_rank']:,.0f} tokens/s per rank"
               + (f", MFU {run['mfu']:.1%}" if "mfu" in run else ""))
+        if "median_ratio" in results["overhead"]:
+            print(f"step time tp3d / Lightning single device: {results['overhead']['median_ratio']:.3f} (rounds "
+                  + ", ".join(f"{entry['ratio']:.3f}" for entry in results["overhead"]["rounds"]) + ")")
         Path(args.output).write_text(json.dumps(results, indent=2))
     sys.exit(0 if results["passed"] else 1)
 

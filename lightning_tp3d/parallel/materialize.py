@@ -71,7 +71,8 @@ def seeded_normal_(tensor: torch.Tensor, name: str, seed: int, std: float) -> No
     for block in range(rows.start // ROWS_PER_BLOCK, math.ceil(rows.stop / ROWS_PER_BLOCK)):
         first = block * ROWS_PER_BLOCK
         last = min(first + ROWS_PER_BLOCK, shape[0])
-        values = torch.empty((last - first, *shape[1:]), dtype=torch.float32)
+        # drawn on the CPU (where the generator lives) whatever default device a surrounding context sets
+        values = torch.empty((last - first, *shape[1:]), dtype=torch.float32, device="cpu")
         values.normal_(0.0, std, generator=_generator(seed, name, block))
         start, stop = max(first, rows.start), min(last, rows.stop)
         kept = values[(slice(start - first, stop - first), *region[1:])]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not 
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 SMOKE = ["--accelerator", "cpu", "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--warmup", "1",
-         "--steps", "2", "--parity-steps", "2"]
+         "--steps", "2", "--parity-steps", "2", "--overhead-rounds", "1", "--overhead-steps", "1"]
 
 
 def test_acceptance_script_passes_every_stage_on_the_cpu(tmp_path):
@@ -34,6 +34,8 @@ def test_acceptance_script_passes_every_stage_on_the_cpu(tmp_path):
     assert lifecycle["export_exit_code"] == 0 and lifecycle["check_exit_code"] == 0
     assert lifecycle["prediction_shape"] == [2, 32, 256]
     assert results["throughput"]["parameters"] > 0 and results["passed"]
+    overhead = results["overhead"]["rounds"][0]
+    assert overhead["ratio"] == overhead["tp3d_seconds"] / overhead["lightning_seconds"] > 0
 
 
 def test_dense_peaks_follow_the_device_name_and_precision():

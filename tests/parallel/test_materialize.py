@@ -107,6 +107,18 @@ def test_seeded_values_do_not_depend_on_how_the_rows_are_split():
     assert not torch.equal(whole, other_name)
 
 
+def test_seeded_values_ignore_a_default_device_context():
+    """Lightning builds a module under `torch.device(root_device)` (a CUDA device with its own strategies):
+    the values are drawn on the CPU generator all the same (found on an H200: 'Expected a cuda device type
+    for generator but found cpu')."""
+    expected = torch.empty(ROWS_PER_BLOCK + 3, 5)
+    seeded_normal_(expected, "w", seed=1, std=0.02)
+    filled = torch.empty_like(expected)
+    with torch.device("meta"):  # stands in for the CUDA default device on a CPU-only machine
+        seeded_normal_(filled, "w", seed=1, std=0.02)
+    torch.testing.assert_close(filled, expected, rtol=0, atol=0)
+
+
 def test_materialising_keeps_tied_weights_tied_and_initialises_norms():
     config = dataclasses.replace(MODEL_PRESETS["tiny"], tie_word_embeddings=True)
     with torch.device("meta"):
