@@ -45,6 +45,9 @@ LAYOUTS = [
     (1, 2, 2, 2, "fsdp-reshard", "32-true", "none"),
     (1, 1, 4, 1, "fsdp-keep", "32-true", "none"),
     (2, 2, 1, 2, "replicate", "bf16-mixed", "none"),
+    (2, 1, 2, 1, "zero1", "32-true", "none"),
+    (1, 1, 4, 1, "zero1", "32-true", "none"),
+    (1, 2, 2, 2, "zero1", "32-true", "none"),
 ]
 
 

@@ -20,7 +20,14 @@ from lightning_tp3d.plan.advisor import Cluster, advise
 from lightning_tp3d.plan.communication import GROUPS, CommunicationLedger, communication_ledger, group_bandwidths
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.layout import ParallelLayout
-from lightning_tp3d.plan.ledger import PRECISIONS, TrainingOptions, serving_ledger, serving_plan, training_ledger
+from lightning_tp3d.plan.ledger import (
+    DATA_PARALLEL_MODES,
+    PRECISIONS,
+    TrainingOptions,
+    serving_ledger,
+    serving_plan,
+    training_ledger,
+)
 from lightning_tp3d.plan.schedules import bubble_fraction
 from lightning_tp3d.plan.units import parse_size
 
@@ -54,7 +61,7 @@ def plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform",
                       help="uniform: every N-th layer; block: the first N layers of each stage")
     plan.add_argument("--recompute-num-layers", type=int, default=1, metavar="N")
-    plan.add_argument("--dp-mode", choices=["replicate", "fsdp"], default="replicate")
+    plan.add_argument("--dp-mode", choices=list(DATA_PARALLEL_MODES), default="replicate")
     plan.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
                       help="1f1b needs num_microbatches >= pp; about 4 x pp keeps the bubble near 20%%")
     plan.add_argument("--gpus-per-node", type=int, default=None,

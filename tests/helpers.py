@@ -73,7 +73,10 @@ class CaptureGradients(Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.first_grads is None:
-            self.first_grads = named_full(pl_module, "grad", self.prefix)
+            # the optimizer's parameters hold the reduced gradients (in "zero1" mode: each dp rank's parts)
+            core = getattr(trainer.strategy, "core", None)
+            owner = core.optimizer_owner(pl_module) if core is not None else pl_module
+            self.first_grads = named_full(owner, "grad", self.prefix)
             parameters = dict(pl_module.named_parameters())
             self.misplaced_gradients = [
                 name for name, parameter in parameters.items()

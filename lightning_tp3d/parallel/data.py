@@ -25,11 +25,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from lightning_tp3d.parallel.tensor import local_part
+from lightning_tp3d.plan.ledger import DATA_PARALLEL_MODES
 
 __all__ = ["DataParallelMode", "DATA_PARALLEL_MODES", "all_reduce_gradients", "apply_fsdp"]
 
-DataParallelMode = Literal["replicate", "fsdp"]
-DATA_PARALLEL_MODES: tuple[str, ...] = ("replicate", "fsdp")
+DataParallelMode = Literal["replicate", "fsdp", "zero1"]
 
 
 def apply_fsdp(roots: Iterable[nn.Module], dp_mesh: DeviceMesh, blocks: Iterable[nn.Module],

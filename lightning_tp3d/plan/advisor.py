@@ -1,8 +1,8 @@
 """The layout advisor: every valid layout of a cluster for a model, the ones that fit, ranked by step time.
 
 Searched: tp dividing the GPUs of a node (tp groups stay on NVLink) and the model's heads, pp dividing
-the rest (at most one layer per stage), dp = GPUs / (tp pp), the dp mode (replicate, FSDP, and under
-pipelining FSDP resharding after each forward: less memory, m + 1 all-gathers per step) and the recompute
+the rest (at most one layer per stage), dp = GPUs / (tp pp), the dp mode (replicate, FSDP, ZeRO-1, and
+under pipelining FSDP resharding after each forward: less memory, m + 1 all-gathers per step) and the recompute
 (none, selective, full). The global batch B (sequences) is split into micro-batches of b: each
 dp rank takes B / (d b) of them, all in one pipeline pass when pp > 1 (m = B / (d b), needs m >= pp for
 1F1B), else accumulated (k = B / (d b)).
@@ -15,7 +15,7 @@ ranked by the predicted step time of their slowest stage:
                the forward that recompute repeats included
     bubble   = compute x (pp - 1) / m                                      (GPipe / 1F1B)
     exposed  = sum over groups of the communication time overlap cannot hide (`plan.communication`):
-               tp all-reduces and the replicate all-reduce in full, FSDP and pipeline transfers only
+               tp all-reduces and the replicate and ZeRO-1 reductions in full, FSDP and pipeline transfers only
                beyond the compute they overlap with
     step     = compute + bubble + exposed
 """
@@ -133,7 +133,7 @@ def advise(config: ModelConfig, cluster: Cluster, global_batch_size: int, seq_le
                 continue
             modes = [("replicate", None)]
             if dp > 1:
-                modes += [("fsdp", None)] + ([("fsdp", True)] if pp > 1 else [])
+                modes += [("fsdp", None), ("zero1", None)] + ([("fsdp", True)] if pp > 1 else [])
             for (mode, reshard), recompute in itertools.product(modes, ("none", "selective", "full")):
                 options = TrainingOptions(seq_len=seq_len, precision=precision, recompute=recompute,
                                           data_parallel_mode=mode, fsdp_reshard_after_forward=reshard)

@@ -34,6 +34,10 @@ dp `fsdp` (FSDP2, one unit per block plus one for the stage's other parameters):
     (each micro-batch's forward, and once for the backwards, between which pipelining keeps the unit
     gathered; measured with 1F1B).
     gloo has no reduce-scatter: FSDP2 all-reduces the same payload there (`backend="gloo"`).
+dp `zero1` (`parallel.zero`): once per step, after backward, per bucket of `plan.optimizer_sharding`
+    (d segments of S elements): a reduce-scatter of d S gradient elements (an all-reduce on gloo), and
+    after the update an all-gather of the rank's S parameter elements. Sum over buckets: d S >= P_i,
+    so the bytes are the all-reduce's 2 (d - 1) / d x P_i, DDP's (plus the padding to S).
 Element sizes: under `32-true` everything is fp32. Under 16-bit autocast (`bf16-mixed`, `16-mixed`) the
     row-parallel outputs and the logits are 16-bit, while the residual stream, its gradients (the tp
     backward all-reduces and pp transfers), the embedding output and the fp32 gradients stay 4 bytes.
@@ -57,6 +61,7 @@ from typing import Any
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions
+from lightning_tp3d.plan.optimizer_sharding import pack_buckets, part_sizes
 from lightning_tp3d.plan.recompute import recomputed_layers
 from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, LAYER_WEIGHTS, WeightSplit
@@ -167,6 +172,25 @@ def _buckets(sizes: list[int], element_bytes: int) -> list[int]:
     return buckets
 
 
+def _zero_transfers(config: ModelConfig, tp: int, dp: int, first: bool, last: bool, num_layers: int,
+                    element_bytes: int, backend: str) -> list[Transfer]:
+    """`zero1`'s buckets for a stage: its parameters in registration order, each cut over dp."""
+    weights = list(LAYER_WEIGHTS) * num_layers
+    if first:
+        weights.insert(0, EMBEDDING)
+    if last:
+        weights.append(FINAL_NORM)
+        if not (config.tie_word_embeddings and first):
+            weights.append(HEAD)
+    parts = [part_sizes(_local_shape(weight, config, tp), weight.dim if tp > 1 else None, dp) for weight in weights]
+    reduce = "reduce_scatter" if backend != "gloo" else "all_reduce"
+    transfers = []
+    for bucket in pack_buckets(parts, dp, element_bytes, BUCKET_BYTES):
+        transfers.append(Transfer("dp", reduce, 1, bucket.payload(dp), element_bytes, "gradients, one bucket"))
+        transfers.append(Transfer("dp", "all_gather", 1, bucket.segment, element_bytes, "updated parameter parts"))
+    return transfers
+
+
 def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: TrainingOptions,
                          backend: str = "nccl") -> CommunicationLedger:
     """Per-step transfers of one rank of every pipeline stage (see the module docstring)."""
@@ -212,6 +236,8 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
                 for index, elements in enumerate(buckets):  # all but the last launched overlap with backward
                     transfers.append(Transfer("dp", "all_reduce", 1, elements, stream, "gradients, one bucket",
                                               hideable=index < len(buckets) - 1))
+            elif options.data_parallel_mode == "zero1":
+                transfers.extend(_zero_transfers(config, tp, dp, first, last, len(layers), stream, backend))
             elif options.data_parallel_mode == "replicate":
                 elements = len(layers) * sum(math.prod(shape) for shape in layer_shapes)
                 elements += sum(math.prod(shape) for shape in root_shapes)

@@ -6,7 +6,9 @@ dim (a d = h), V vocab, L layers, t tp, s sequence length, b micro-batch.
 
 * Parameters of one layer on a tp rank: (2 h a d + 2 h k d + 3 h f) / t + 2 h (norms replicated).
   The embedding and the head are vocab parallel (V h / t each) on the first and last stage; the final
-  norm (h) on the last. FSDP divides parameters, gradients and optimizer state by dp.
+  norm (h) on the last. FSDP divides parameters, gradients and optimizer state by dp; ZeRO-1
+  (`data_parallel_mode="zero1"`) divides the optimizer state by dp and keeps whole parameters and
+  gradients (the whole gradients live until the reduce-scatter after backward).
 * Bytes per parameter: `32-true`, `bf16-mixed`, `16-mixed` keep fp32 parameters (the master weights
   autocast reads), fp32 gradients and Adam's two fp32 moments: 4 + 4 + 8. `bf16-true`: 2 + 2 + 4.
 * Activations saved for backward by one layer and one micro-batch, in units of the activation
@@ -48,6 +50,7 @@ from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward, stages_pe
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, layer_parameters_per_rank, parameters_per_rank
 
 __all__ = [
+    "DATA_PARALLEL_MODES",
     "PRECISIONS",
     "DeployOption",
     "ServingLedger",
@@ -64,6 +67,7 @@ __all__ = [
 ]
 
 # precision -> (parameter, gradient, optimizer-state bytes per parameter, activation element bytes)
+DATA_PARALLEL_MODES: tuple[str, ...] = ("replicate", "fsdp", "zero1")
 PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "32-true": (4, 4, 8, 4),
     "bf16-mixed": (4, 4, 8, 2),
@@ -78,7 +82,7 @@ class TrainingOptions:
     seq_len: int = 4096
     precision: str = "bf16-mixed"
     recompute: Literal["none", "full", "selective"] = "none"
-    data_parallel_mode: Literal["replicate", "fsdp"] = "replicate"
+    data_parallel_mode: Literal["replicate", "fsdp", "zero1"] = "replicate"
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     recompute_method: Literal["uniform", "block"] = "uniform"
     recompute_num_layers: int = 1
@@ -89,8 +93,9 @@ class TrainingOptions:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not one of {sorted(PRECISIONS)}.")
         check_recompute_options(self.recompute, self.recompute_method, self.recompute_num_layers)
-        if self.data_parallel_mode not in ("replicate", "fsdp"):
-            raise ValueError(f"data_parallel_mode={self.data_parallel_mode!r} is not one of ['replicate', 'fsdp'].")
+        if self.data_parallel_mode not in DATA_PARALLEL_MODES:
+            raise ValueError(
+                f"data_parallel_mode={self.data_parallel_mode!r} is not one of {list(DATA_PARALLEL_MODES)}.")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule={self.schedule!r} is not one of ['1f1b', 'gpipe'].")
         if self.seq_len < 1:
@@ -191,13 +196,14 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
         activation_bytes = elements * activation + max(logits_bytes, recompute_bytes)
         in_flight = 1 if pp == 1 else (m if options.schedule == "gpipe" else min(m, pp - stage))
         local = -(-parameters // shard)
+        optimizer_local = -(-parameters // dp) if options.data_parallel_mode == "zero1" else local
         gathered = 0
         if options.data_parallel_mode == "fsdp" and dp > 1:
             whole_stage = not fsdp_reshards_after_forward(options.fsdp_reshard_after_forward, options.schedule, pp)
             gathered = (parameters if whole_stage else 2 * layer_parameters_per_rank(config, tp)) * weight
         stages.append(StageLedger(
             stage=stage, first_layer=layers.start, num_layers=len(layers), parameters=parameters,
-            weight_bytes=local * weight, gradient_bytes=local * gradient, optimizer_bytes=local * optimizer,
+            weight_bytes=local * weight, gradient_bytes=local * gradient, optimizer_bytes=optimizer_local * optimizer,
             activation_bytes=activation_bytes * in_flight, in_flight_microbatches=in_flight,
             gathered_weight_bytes=gathered,
         ))

@@ -66,6 +66,8 @@ from lightning_tp3d.parallel.tensor import (
     resolve_tp_plan,
     shard_gradients_like_parameters,
 )
+from lightning_tp3d.parallel.zero import ZeroOptimizerSharding
+from lightning_tp3d.plan.communication import BUCKET_BYTES
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward
 from lightning_tp3d.strategies.options import ParallelOptions
@@ -111,6 +113,7 @@ class ParallelCore:
         self._handover: GradientHandOver | None = None
         self._overlap: OverlappedGradientReduction | None = None
         self._overlap_parameters: list[int] = []
+        self._zero: ZeroOptimizerSharding | None = None
         self.last_gradient_wait_seconds = 0.0
 
     # ------------------------------------------------------------------ layout and mesh
@@ -252,19 +255,40 @@ class ParallelCore:
             self._overlap_parameters = [id(parameter) for parameter in parameters]
         self._overlap.sync = completes_gradients
 
-    def all_reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
+    def all_reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """Shard each gradient like its parameter (see `shard_gradients_like_parameters`), then average
         gradients over dp in `"replicate"` mode (FSDP2 reduce-scatters them itself): what the overlapped
-        reduction launched during backward is waited for, the rest reduced now. The host seconds this
-        takes after backward are kept in `last_gradient_wait_seconds` (the exposed dp time)."""
+        reduction launched during backward is waited for, the rest reduced now; in `"zero1"` mode reduce-
+        scatter them to the parts the optimizer updates (`parallel.zero`). Returns the parameters that now
+        hold the reduced gradients (the parts in `"zero1"` mode). The host seconds this takes after
+        backward are kept in `last_gradient_wait_seconds` (the exposed dp time)."""
         started = time.perf_counter()
         parameters = list(parameters)
         if self._overlap is not None:
             self._overlap.finish()
         shard_gradients_like_parameters(parameters)
-        if self._overlap is None and self.data_parallel_mode == "replicate" and self.layout.data_parallel_size > 1:
+        if self._zero is not None:
+            parameters = self._zero.reduce_scatter_gradients()
+        elif self._overlap is None and self.data_parallel_mode == "replicate" and self.layout.data_parallel_size > 1:
             all_reduce_gradients(parameters, self.group("dp"), self.layout.data_parallel_size)
         self.last_gradient_wait_seconds = time.perf_counter() - started
+        return parameters
+
+    def shard_optimizers(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """In `"zero1"` mode with dp > 1, hand `optimizers` this dp rank's parts of `module`'s parameters
+        (`parallel.zero`); with dp = 1 there is nothing to split and the mode trains as `"replicate"`."""
+        if self.data_parallel_mode != "zero1" or self.layout.data_parallel_size == 1:
+            return
+        held = {id(parameter) for optimizer in optimizers for group in optimizer.param_groups
+                for parameter in group["params"]}
+        named = [(name, parameter) for name, parameter in module.named_parameters() if id(parameter) in held]
+        self._zero = ZeroOptimizerSharding(named, self.mesh["dp", "tp"], BUCKET_BYTES)
+        self._zero.shard(optimizers)
+
+    def after_optimizer_step(self) -> None:
+        """In `"zero1"` mode: all-gather the updated parts, so every dp rank holds the whole parameters."""
+        if self._zero is not None:
+            self._zero.all_gather_parameters()
 
     def clip_gradients_by_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale gradients so their global 2-norm (tp shards, dp shards, pp stages) is at most `max_norm`;
@@ -280,12 +304,19 @@ class ParallelCore:
                 (grad.to_local() if isinstance(grad, DTensor) else grad).clamp_(-clip_value, clip_value)
 
     # ------------------------------------------------------------------ checkpoints
-    @staticmethod
-    def states_of(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+    def optimizer_owner(self, module: nn.Module) -> nn.Module:
+        """The module whose parameters an optimizer holds: `module`, or in `"zero1"` mode the parts' tree
+        (same names, so the state is keyed as in every other mode)."""
+        return self._zero.state_module if self._zero is not None else module
+
+    def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`optimizer`'s flattened state dict: this rank's shards, keyed by the parameters' global names."""
+        return get_optimizer_state_dict(self.optimizer_owner(module), optimizer, options=FLAT_OPTIMIZER_STATE)
+
+    def states_of(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
                   ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """`module`'s state dict and each optimizer's flattened one: this rank's shards, by global name."""
-        return get_model_state_dict(module), [get_optimizer_state_dict(module, optimizer, options=FLAT_OPTIMIZER_STATE)
-                                              for optimizer in optimizers]
+        return get_model_state_dict(module), [self.optimizer_state(module, optimizer) for optimizer in optimizers]
 
     def checkpoint_meta(self, world_size: int, global_step: int, epoch: int, network_prefix: str,
                         network: nn.Module, precision: str | None = None,
@@ -328,7 +359,8 @@ class ParallelCore:
         meta, trainer_state = load_checkpoint(path, self._sharded_state(model_state, optimizer_states), strict=strict)
         set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
         for optimizer, optimizer_state in zip(optimizers, optimizer_states):
-            set_optimizer_state_dict(module, optimizer, optimizer_state, options=FLAT_OPTIMIZER_STATE)
+            set_optimizer_state_dict(self.optimizer_owner(module), optimizer, optimizer_state,
+                                     options=FLAT_OPTIMIZER_STATE)
         layout = self.layout
         current = (layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size)
         if meta.parallel_sizes == current:

@@ -82,7 +82,7 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
-        data_parallel_mode: Literal["replicate", "fsdp"] = "replicate",
+        data_parallel_mode: Literal["replicate", "fsdp", "zero1"] = "replicate",
         fsdp_reshard_after_forward: bool | None = None,
         overlap_gradient_reduction: bool = True,
         num_microbatches: int | None = None,
@@ -156,7 +156,19 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         parameters = [parameter for group in getattr(optimizer, "param_groups", []) for parameter in group["params"]]
         if self._skips_non_finite_step(self._last_loss, parameters, step, getattr(self.precision, "scaler", None)):
             return None
-        return super().optimizer_step(optimizer, **kwargs)
+        output = super().optimizer_step(optimizer, **kwargs)
+        self.core.after_optimizer_step()
+        return output
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """In `data_parallel_mode="zero1"` the optimizer is handed this dp rank's parts of the parameters."""
+        if self._network is not None:
+            self.core.shard_optimizers(self._network, [optimizer])
+        elif self.core.data_parallel_mode == "zero1":
+            raise RuntimeError("data_parallel_mode='zero1': set up the module with `fabric.setup(module)` before its"
+                               " optimizer (the optimizer is handed parts of the set-up module's parameters).")
+        return super().setup_optimizer(optimizer)
 
     @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,

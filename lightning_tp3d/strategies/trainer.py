@@ -36,7 +36,6 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerSta
 from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
@@ -47,7 +46,7 @@ from lightning_tp3d.parallel.paths import resolve_attribute
 from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
-from lightning_tp3d.strategies.core import FLAT_OPTIMIZER_STATE, ParallelCore, model_config
+from lightning_tp3d.strategies.core import ParallelCore, model_config
 from lightning_tp3d.strategies.loss_watch import ResumeLossWatch
 from lightning_tp3d.strategies.non_finite import hold_schedulers_on_skipped_steps, release_schedulers
 from lightning_tp3d.strategies.options import ParallelOptions
@@ -74,8 +73,9 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         layers_per_stage: explicit layer count of every stage (default: balanced, embedding and head
             counted as one layer each).
         data_parallel_size: model replicas; `"auto"` is world size / (tp x pp).
-        data_parallel_mode: `"replicate"` (gradients all-reduced over dp, DDP semantics) or `"fsdp"`
-            (FSDP2: parameters, gradients and optimizer state sharded over dp).
+        data_parallel_mode: `"replicate"` (gradients all-reduced over dp, DDP semantics), `"fsdp"` (FSDP2:
+            parameters, gradients, optimizer state sharded over dp) or `"zero1"` (`parallel.zero`: the
+            optimizer state and update split over dp with DDP's traffic; elementwise optimizers only).
         fsdp_reshard_after_forward: free a block's gathered parameters after its forward (FSDP2); None:
             yes without pipelining, no under it (gather once per step, keep the stage whole; see
             `plan.schedules.fsdp_reshards_after_forward`, refused with the split-backward schedules).
@@ -120,7 +120,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
-        data_parallel_mode: Literal["replicate", "fsdp"] = "replicate",
+        data_parallel_mode: Literal["replicate", "fsdp", "zero1"] = "replicate",
         fsdp_reshard_after_forward: bool | None = None,
         overlap_gradient_reduction: bool = True,
         num_microbatches: int | None = None,
@@ -145,13 +145,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         skip_non_finite_steps: bool = True,
         max_consecutive_skips: int = 5,
     ) -> None:
-        super().__init__(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            save_distributed_checkpoint=True,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                         save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
         self.core = ParallelCore(ParallelOptions.from_arguments(locals()))
         self._model_attribute = model_attribute
         self._resume_position: SamplePosition | None = None
@@ -268,6 +263,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self.core.shard_optimizers(self.model, self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -300,14 +296,15 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
 
         def closure_then_all_reduce() -> Any:
             result = closure()
-            parameters = list(self.lightning_module.parameters())
-            self.core.all_reduce_gradients(parameters)
+            parameters = self.core.all_reduce_gradients(self.lightning_module.parameters())
             if self._skips_non_finite_step(result, parameters, trainer.global_step, scaler):
                 raise _SkippedStep
             return result
 
         try:
-            return super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
+            output = super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
+            self.core.after_optimizer_step()
+            return output
         except _SkippedStep:
             return None
         finally:
@@ -318,8 +315,9 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
     def _route_gradient_clipping(self) -> None:
         """Make Lightning's `gradient_clip_val` clip by the global norm over tp, dp shards and pp.
 
-        Lightning clips through the precision plugin, which sees only local gradients and cannot mix
-        plain tensors with DTensors; its two clipping methods are bound to the core's versions.
+        Lightning clips through the precision plugin, which sees only local gradients and cannot mix plain
+        tensors with DTensors; its two clipping methods are bound to the core's versions (the optimizer's
+        parameters: in "zero1" mode each dp rank's parts).
         """
         core = self.core
 
@@ -335,8 +333,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return get_optimizer_state_dict(self.model, optimizer, options=FLAT_OPTIMIZER_STATE)
+        return self.core.optimizer_state(self.model, getattr(optimizer, "_optimizer", optimizer))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

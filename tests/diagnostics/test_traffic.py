@@ -29,7 +29,8 @@ from tests.helpers import SEQ_LEN, trainer_kwargs
 
 BATCH = 8  # per dp rank and step
 # tp, pp, dp, m, dp mode ("fsdp-reshard": fsdp_reshard_after_forward=True)
-LAYOUTS = [(2, 1, 2, 1, "replicate"), (1, 2, 2, 2, "fsdp"), (1, 2, 2, 8, "fsdp"), (1, 2, 2, 2, "fsdp-reshard")]
+LAYOUTS = [(2, 1, 2, 1, "replicate"), (1, 2, 2, 2, "fsdp"), (1, 2, 2, 8, "fsdp"), (1, 2, 2, 2, "fsdp-reshard"),
+           (2, 1, 2, 1, "zero1")]
 
 
 def _measure(tp: int, pp: int, dp: int, m: int, mode: str) -> dict[str, Any]:

@@ -4,7 +4,8 @@ exactly like one process.
 Grid: the seven schedules x {replicate, fsdp} x tp in {1, 2} at pp = 2 and dp = 2 (worlds of 4 and 8
 processes, each spawned once), plus corners: gradient accumulation, full recompute, explicit
 `layers_per_stage`, `stages_per_rank = 3`, tied embeddings under tp, FSDP resharding after forward
-under 1F1B and FSDP keeping parameters gathered without pipelining. For every configuration, on every
+under 1F1B and FSDP keeping parameters gathered without pipelining, and ZeRO-1 (`zero1`) under the
+interleaved, DualPipeV and ZBV schedules and with tied embeddings. For every configuration, on every
 rank (each dp replica, each stage): the losses of 5 steps and every gradient the rank holds after
 step 1 against the single-process reference, per tensor with `torch.testing.assert_close`
 (rtol 1e-5, atol 1e-7, fp32).
@@ -61,13 +62,17 @@ CORNERS: dict[int, dict[str, dict[str, Any]]] = {
             1, "looped_bfs", "fsdp", stages_per_rank=3, model=SIX_LAYERS),
         "tp2-pp1-replicate-tied": dict(tp=2, pp=1, mode="replicate", model=TIED),
         "tp2-pp1-fsdp-tied": dict(tp=2, pp=1, mode="fsdp", model=TIED),
-        "tp2-pp1-fsdp-kept-gathered": dict(tp=2, pp=1, mode="fsdp", fsdp_reshard_after_forward=False)},
+        "tp2-pp1-fsdp-kept-gathered": dict(tp=2, pp=1, mode="fsdp", fsdp_reshard_after_forward=False),
+        "tp1-interleaved_1f1b-zero1": _configuration(1, "interleaved_1f1b", "zero1"),
+        "tp1-dualpipev-zero1": _configuration(1, "dualpipev", "zero1")},
     8: {"tp2-1f1b-fsdp-accumulate-2": _configuration(2, "1f1b", "fsdp", accumulate=2),
         "tp2-zbv_zero_bubble-replicate-accumulate-2": _configuration(2, "zbv_zero_bubble", "replicate", accumulate=2),
         "tp2-interleaved_zero_bubble-fsdp-recompute": _configuration(2, "interleaved_zero_bubble", "fsdp",
                                                                      recompute="full"),
         "tp2-interleaved_1f1b-replicate-recompute": _configuration(2, "interleaved_1f1b", "replicate",
-                                                                   recompute="full")},
+                                                                   recompute="full"),
+        "tp2-zbv_zero_bubble-zero1-accumulate-2": _configuration(2, "zbv_zero_bubble", "zero1", accumulate=2),
+        "tp2-pp1-zero1-tied": dict(tp=2, pp=1, mode="zero1", model=TIED)},
 }
 CONFIGURATIONS = {name: configuration for table in (GRID, CORNERS) for world in table
                   for name, configuration in table[world].items()}

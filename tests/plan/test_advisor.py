@@ -40,7 +40,7 @@ def test_advisor_ranks_valid_layouts_and_the_best_fits_by_the_ledger(capsys):
 def test_advisor_table_names_why_each_layout_wins_or_loses(capsys):
     assert main(["plan", "deepseek-llm-67b", "--gpus", "32", "--gpu-memory", "80GiB", "--top", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "126 layouts, 30 fit in 90% of the memory" in lines[0]
+    assert "168 layouts, 33 fit in 90% of the memory" in lines[0]  # replicate, zero1, fsdp, fsdp-reshard
     assert "best; beyond compute: bubble" in lines[2]
     assert all(" +" in line and "%:" in line for line in lines[3:7])
     assert main(["plan", "deepseek-llm-67b", "--gpus", "8", "--gpu-memory", "80GiB"]) == 1

@@ -106,3 +106,25 @@ def test_replicate_without_pipelining_reduces_in_buckets_during_backward():
     after_backward = communication_ledger(SEVEN_B, layout, TrainingOptions(seq_len=4096,
                                                                            overlap_gradient_reduction=False))
     assert [transfer.count for transfer in after_backward.stages[0] if transfer.group == "dp"] == [1]
+
+
+def test_zero1_sends_what_replicate_sends_as_reduce_scatters_and_all_gathers():
+    """tp 8, dp 8, pp 1: the rank's gradients reduce-scattered and its parts all-gathered, bucket by bucket;
+    the bytes on the wire equal the all-reduce's (the parts tile every parameter: d S = P, no padding here)."""
+    from lightning_tp3d.plan.ledger import training_ledger
+
+    layout = ParallelLayout(tensor_parallel_size=8, data_parallel_size=8)
+    replicate = communication_ledger(SEVEN_B, layout, TrainingOptions(seq_len=4096))
+    zero1 = communication_ledger(SEVEN_B, layout, TrainingOptions(seq_len=4096, data_parallel_mode="zero1"))
+    transfers = [transfer for transfer in zero1.stages[0] if transfer.group == "dp"]
+    scatters = [transfer for transfer in transfers if transfer.operation == "reduce_scatter"]
+    gathers = [transfer for transfer in transfers if transfer.operation == "all_gather"]
+    assert len(scatters) == len(gathers) == len(transfers) // 2 > 1
+    assert [gather.elements * 8 for gather in gathers] == [scatter.elements for scatter in scatters]
+    assert sum(scatter.elements for scatter in scatters) == training_ledger(SEVEN_B, layout,
+                                                                            TrainingOptions()).stages[0].parameters
+    assert zero1.totals(0)["dp"]["sent_bytes"] == pytest.approx(replicate.totals(0)["dp"]["sent_bytes"], rel=1e-12)
+    assert not any(transfer.hideable for transfer in transfers)
+    gloo = communication_ledger(SEVEN_B, layout, TrainingOptions(seq_len=4096, data_parallel_mode="zero1"),
+                                backend="gloo")
+    assert {transfer.operation for transfer in gloo.stages[0] if transfer.group == "dp"} == {"all_reduce", "all_gather"}

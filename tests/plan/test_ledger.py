@@ -126,3 +126,14 @@ def test_serving_plan_refuses_an_invalid_deploy_tp():
         serving_plan(MODEL_PRESETS["deepseek-llm-7b"], "m", GIB80, tensor_parallel_sizes=(3,))
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         serving_plan(MODEL_PRESETS["deepseek-llm-7b"], "m", GIB80, gpu_memory_utilization=1.5)
+
+
+def test_zero1_divides_only_the_optimizer_state_by_dp():
+    config = ModelConfig()
+    layout = ParallelLayout(data_parallel_size=4)
+    replicate, zero1 = (training_ledger(config, layout, TrainingOptions(seq_len=32, precision="32-true",
+                                                                        data_parallel_mode=mode)).stages[0]
+                        for mode in ("replicate", "zero1"))
+    assert zero1.weight_bytes == replicate.weight_bytes and zero1.gradient_bytes == replicate.gradient_bytes
+    assert zero1.optimizer_bytes == -(-replicate.parameters // 4) * 8  # AdamW's two fp32 moments, a quarter
+    assert zero1.activation_bytes == replicate.activation_bytes and zero1.gathered_weight_bytes == 0

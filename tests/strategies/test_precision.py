@@ -9,6 +9,8 @@ precision, with tolerances shown to reject the wrong precision.
   (rtol 1e-5) is shown to reject the bf16 run.
 * bf16-true at (2, 2, 1): bf16 weights and optimizer against single-process bf16-true (mean |difference|
   <= 2e-3, which the fp32 and bf16-mixed references exceed: asserted).
+* `data_parallel_mode="zero1"` at (1, 1, 4): bf16-true and 16-mixed (the scaler unscales and checks each
+  dp rank's parts of the gradients) against the same single-process runs.
 * 16-mixed at (2, 2, 1) with `TP3DPrecision`: linear layers run in fp16; an inf written into one tp rank's
   gradient makes every rank skip that step (weights unchanged everywhere) and halve the scale together;
   the losses follow a single-process fp16 autocast + `torch.amp.GradScaler` run with the same skipped
@@ -103,8 +105,11 @@ def run_precision_world(directory: str) -> dict[str, Any]:
     straight = _fit(2, 2, 6, TP3DPrecision("16-mixed"), [watch, saver, fp16_dtypes], directory=directory)
     resumed_watch = WatchScaler(None)
     resumed = _fit(2, 2, 6, TP3DPrecision("16-mixed"), [resumed_watch], ckpt_path=directory / "step4.ckpt")
-    dtypes = LinearOutputDtypes()
+    dtypes, zero_fp16_dtypes = LinearOutputDtypes(), LinearOutputDtypes()
     bf16_true = _fit(2, 2, STEPS, "bf16-true", [dtypes])
+    # (1, 1, 4) in data_parallel_mode="zero1": the scaler unscales and checks each dp rank's parts.
+    zero1 = {"fp16": _fit(1, 1, 6, TP3DPrecision("16-mixed"), [zero_fp16_dtypes], mode="zero1"),
+             "fp16_dtypes": zero_fp16_dtypes.dtypes, "bf16_true": _fit(1, 1, STEPS, "bf16-true", mode="zero1")}
     bf16_dtypes, capture = LinearOutputDtypes(), CaptureGradients()
     bf16_mixed = {"losses": _fit(2, 2, STEPS, "bf16-mixed", [bf16_dtypes]), "dtypes": bf16_dtypes.dtypes,
                   "no_tp_losses": _fit(1, 2, STEPS, "bf16-mixed", [capture], schedule="zbv_zero_bubble", mode="fsdp"),
@@ -113,7 +118,7 @@ def run_precision_world(directory: str) -> dict[str, Any]:
                   "data_parallel_losses": _fit(1, 1, STEPS, "bf16-mixed")}
     return {"straight": straight, "scales": watch.scales, "changed": watch.changed, "resumed": resumed,
             "resumed_scales": resumed_watch.scales, "fp16_dtypes": fp16_dtypes.dtypes, "bf16_true": bf16_true,
-            "bf16_true_dtypes": dtypes.dtypes, "bf16_mixed": bf16_mixed}
+            "bf16_true_dtypes": dtypes.dtypes, "bf16_mixed": bf16_mixed, "zero1": zero1}
 
 
 class LinearOutputDtypes(Callback):
@@ -187,6 +192,7 @@ def test_bf16_true_matches_single_process_bf16_true(fp16, references):
     for rank in fp16:
         assert rank["bf16_true_dtypes"] == {"torch.bfloat16"}
         assert _mean_difference(rank["bf16_true"], expected) <= BF16_TRUE_LOSS_TOLERANCE
+        assert _mean_difference(rank["zero1"]["bf16_true"], expected) <= BF16_TRUE_LOSS_TOLERANCE
 
 
 def test_fp16_matches_single_process_fp16_with_grad_scaler(fp16, references):
@@ -197,6 +203,10 @@ def test_fp16_matches_single_process_fp16_with_grad_scaler(fp16, references):
     for rank in fp16:
         assert rank["fp16_dtypes"] == {"torch.float16"}
         assert _mean_difference(rank["straight"], expected) <= FP16_LOSS_TOLERANCE
+        # zero1 at (1, 1, 4), no inf injected: the scaler's unscaling of the parts follows the plain fp16 run.
+        assert rank["zero1"]["fp16_dtypes"] == {"torch.float16"}
+        no_skip = references["16-mixed-no-skip"]["losses"][:6]
+        assert _mean_difference(rank["zero1"]["fp16"], no_skip) <= FP16_LOSS_TOLERANCE
 
 
 def test_inf_on_one_tp_rank_makes_every_rank_skip_and_halve_the_scale(fp16):
