@@ -3,9 +3,11 @@
     python benchmarks/memory.py              # every layout below, each in its own CPU/gloo world
 
 Each layout trains two AdamW steps of the benchmark model through `TP3DStrategy`; after the second step
-every rank measures the bytes of the storages behind its parameters, gradients and optimizer state (its
-local DTensor shards, FSDP2 padding included, each storage counted once) and the parent compares them
-with `training_ledger` for that rank's pipeline stage (`32-true`: 4, 4 and 8 bytes per parameter).
+every rank measures the bytes of the storages behind its parameters, gradients (right after the last
+backward, before the dp reduction: their peak, which `zero1` frees after its reduce-scatter) and optimizer
+state (its local DTensor shards, FSDP2 padding included, each storage counted once) and the parent
+compares them with `training_ledger` for that rank's pipeline stage (`32-true`: 4, 4 and 8 bytes per
+parameter).
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.callbacks.monitor import local_storage_bytes
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
-from lightning_tp3d.plan.ledger import TrainingOptions, training_ledger
+from lightning_tp3d.plan.ledger import DATA_PARALLEL_MODES, TrainingOptions, training_ledger
 
 from common import CONFIG, MACHINE, benchmark_trainer
 
 # (tp, pp, dp, data-parallel mode)
 LAYOUTS = [(1, 1, 1, "replicate"), (2, 1, 1, "replicate"), (1, 2, 1, "replicate"), (1, 1, 2, "fsdp"),
            (2, 2, 1, "replicate"), (2, 1, 2, "replicate"), (2, 1, 2, "fsdp"), (2, 2, 2, "replicate"),
-           (2, 2, 2, "fsdp")]
+           (2, 2, 2, "fsdp"), (1, 1, 2, "zero1"), (2, 2, 2, "zero1")]
 SEQ_LEN = 64
 KINDS = ("weight_bytes", "gradient_bytes", "optimizer_bytes")
 
@@ -43,6 +45,10 @@ class MemoryProbe(Callback):
 
     def __init__(self) -> None:
         self.per_rank: list[dict[str, int]] = []
+        self.gradient_bytes = 0
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.gradient_bytes = local_storage_bytes(p.grad for p in trainer.strategy.network.parameters())
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         if trainer.global_step < trainer.max_steps:
@@ -54,7 +60,7 @@ class MemoryProbe(Callback):
             "rank": trainer.global_rank,
             "stage": trainer.strategy.layout.coordinates(trainer.global_rank).pp,
             "weight_bytes": local_storage_bytes(parameters),
-            "gradient_bytes": local_storage_bytes(p.grad for p in parameters),
+            "gradient_bytes": self.gradient_bytes,
             "optimizer_bytes": local_storage_bytes(states),
         }
         gathered: list[Any] = [None] * trainer.world_size
@@ -91,16 +97,17 @@ def _layout(text: str) -> tuple[int, int, int, str]:
     """`tp,pp,dp,mode` as a tuple, or an argparse error that shows the expected form."""
     parts = text.split(",")
     if len(parts) != 4 or not all(part.isdigit() and int(part) > 0 for part in parts[:3]) \
-            or parts[3] not in ("replicate", "fsdp"):
+            or parts[3] not in DATA_PARALLEL_MODES:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not tp,pp,dp,mode with positive sizes and mode replicate or fsdp, e.g. 2,1,2,fsdp")
+            f"{text!r} is not tp,pp,dp,mode with positive sizes and mode one of {', '.join(DATA_PARALLEL_MODES)},"
+            " e.g. 2,1,2,fsdp")
     return int(parts[0]), int(parts[1]), int(parts[2]), parts[3]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", type=_layout, default=LAYOUTS,
-                        help="tp,pp,dp,mode of each layout to measure (default: nine layouts up to 2x2x2)")
+                        help="tp,pp,dp,mode of each layout to measure (default: eleven layouts up to 2x2x2)")
     parser.add_argument("--layout", type=_layout,
                         help="tp,pp,dp,mode: measure one layout (the parent runs each this way)")
     parser.add_argument("--result", type=Path, help="where a --layout run writes its measurements")

@@ -30,7 +30,7 @@ from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions, training_flops_per_token, training_ledger
 
-__all__ = ["Cluster", "LayoutCandidate", "advise"]
+__all__ = ["Cluster", "LayoutCandidate", "advise", "evaluate_layout"]
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ def _divisors(value: int) -> list[int]:
     return [candidate for candidate in range(1, value + 1) if value % candidate == 0]
 
 
-def _candidate(config: ModelConfig, cluster: Cluster, layout: ParallelLayout, options: TrainingOptions,
-               global_batch_size: int) -> LayoutCandidate:
+def evaluate_layout(config: ModelConfig, cluster: Cluster, layout: ParallelLayout, options: TrainingOptions,
+                    global_batch_size: int) -> LayoutCandidate:
+    """One layout's memory and predicted step time on `cluster` (see the module docstring)."""
     peak = training_ledger(config, layout, options).peak_stage.total_bytes
     flops = training_flops_per_token(config, options.seq_len, options.recompute) * global_batch_size * options.seq_len
     compute = flops / (cluster.gpus * cluster.peak_tflops * 1e12 * cluster.mfu)
@@ -137,5 +138,5 @@ def advise(config: ModelConfig, cluster: Cluster, global_batch_size: int, seq_le
             for (mode, reshard), recompute in itertools.product(modes, ("none", "selective", "full")):
                 options = TrainingOptions(seq_len=seq_len, precision=precision, recompute=recompute,
                                           data_parallel_mode=mode, fsdp_reshard_after_forward=reshard)
-                candidates.append(_candidate(config, cluster, layout, options, global_batch_size))
+                candidates.append(evaluate_layout(config, cluster, layout, options, global_batch_size))
     return sorted(candidates, key=lambda candidate: (not candidate.fits, candidate.step_seconds))
