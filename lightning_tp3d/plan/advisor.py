@@ -14,9 +14,10 @@ ranked by the predicted step time of their slowest stage:
     compute  = FLOPs per step / (GPUs x peak x MFU), FLOPs per token from `training_flops_per_token`,
                the forward that recompute repeats included
     bubble   = compute x (pp - 1) / m                                      (GPipe / 1F1B)
-    exposed  = sum over groups of the communication time overlap cannot hide (`plan.communication`):
-               tp all-reduces and the replicate and ZeRO-1 reductions in full, FSDP and pipeline transfers only
-               beyond the compute they overlap with
+    exposed  = sum over groups of the communication time overlap cannot hide (`plan.communication`,
+               calls x latency + bytes / bandwidth): tp all-reduces and the replicate and ZeRO-1 reductions
+               in full, FSDP and pipeline transfers only beyond the compute they overlap with (nothing
+               is hidden on a cluster without `overlap`, e.g. CPU processes sharing their cores)
     step     = compute + bubble + exposed
 """
 
@@ -42,6 +43,8 @@ class Cluster:
     mfu: float = 0.4  # the design documents' bar for training
     links_gbps: dict[str, float] = field(default_factory=dict)  # intra_node / inter_node, default: doctor floors
     group_gbps: dict[str, float] = field(default_factory=dict)  # measured per group (overrides the links)
+    latency_seconds: dict[str, float] = field(default_factory=dict)  # per call and group, measured (default 0)
+    overlap: bool = True  # communication engines apart from compute (GPUs); False: nothing is hidden
     usable_fraction: float = 0.9
 
 
@@ -103,8 +106,8 @@ def evaluate_layout(config: ModelConfig, cluster: Cluster, layout: ParallelLayou
     bandwidth = group_bandwidths(layout, cluster.gpus_per_node, cluster.links_gbps, cluster.group_gbps)
     exposed = {group: 0.0 for group in GROUPS}
     for stage in range(len(ledger.stages)):
-        for group, seconds in ledger.seconds(stage, bandwidth).items():
-            hidden = min(seconds["hideable_seconds"], compute)
+        for group, seconds in ledger.seconds(stage, bandwidth, cluster.latency_seconds).items():
+            hidden = min(seconds["hideable_seconds"], compute) if cluster.overlap else 0.0
             exposed[group] = max(exposed[group], seconds["seconds"] - hidden)
     mode = options.data_parallel_mode + ("-reshard" if options.fsdp_reshard_after_forward and pp > 1 else "")
     return LayoutCandidate(layout.tensor_parallel_size, pp, layout.data_parallel_size, mode,

@@ -120,15 +120,21 @@ class CommunicationLedger:
             calls[key] = calls.get(key, 0) + transfer.count
         return calls
 
-    def seconds(self, stage: int, bandwidth: dict[str, float]) -> dict[str, dict[str, float]]:
-        """Per group: estimated seconds on links of `bandwidth` bytes/s, and the part overlap can hide."""
+    def seconds(self, stage: int, bandwidth: dict[str, float],
+                latency: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+        """Per group: estimated seconds on links of `bandwidth` bytes/s with `latency` seconds per call (the
+        alpha-beta model: calls x latency + sent bytes / bandwidth; latency 0 where not given), and the
+        part overlap can hide."""
         result = {}
         for group in GROUPS:
+            size, per_call = self.group_sizes[group], (latency or {}).get(group, 0.0)
+
+            def cost(transfer: Transfer, size: int = size, per_call: float = per_call, group: str = group) -> float:
+                return transfer.count * per_call + transfer.sent_bytes(size) / bandwidth[group]
+
             transfers = [transfer for transfer in self.stages[stage] if transfer.group == group]
-            total = sum(transfer.sent_bytes(self.group_sizes[group]) for transfer in transfers) / bandwidth[group]
-            hidden = sum(transfer.sent_bytes(self.group_sizes[group]) for transfer in transfers
-                         if transfer.hideable) / bandwidth[group]
-            result[group] = {"seconds": total, "hideable_seconds": hidden}
+            result[group] = {"seconds": sum(map(cost, transfers)),
+                             "hideable_seconds": sum(cost(transfer) for transfer in transfers if transfer.hideable)}
         return result
 
     def to_dict(self) -> dict[str, Any]:

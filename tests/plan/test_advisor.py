@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lightning_tp3d.cli import main
 from lightning_tp3d.plan.advisor import Cluster, advise
 from lightning_tp3d.plan.config import MODEL_PRESETS
@@ -56,4 +58,29 @@ def test_slower_links_make_the_tensor_parallel_layouts_pay_their_all_reduces():
         return min(c.exposed_seconds["tp"] for c in candidates if c.tensor_parallel_size == tp)
 
     assert tp_cost(fast, 1) == tp_cost(slow, 1) == 0.0
-    assert tp_cost(slow, 8) == tp_cost(fast, 8) * 20
+    assert tp_cost(slow, 8) == pytest.approx(tp_cost(fast, 8) * 20, rel=1e-12)
+
+
+def test_latency_per_call_and_a_cluster_without_overlap():
+    """alpha-beta: each call adds the group's latency; without overlap (CPU processes sharing cores) the
+    FSDP and pipeline transfers are exposed in full."""
+    from lightning_tp3d.plan.advisor import evaluate_layout
+    from lightning_tp3d.plan.communication import communication_ledger, group_bandwidths
+
+    config = MODEL_PRESETS["deepseek-llm-7b"]
+    layout = ParallelLayout(tensor_parallel_size=8, data_parallel_size=2, gradient_accumulation_steps=4)
+    options = TrainingOptions(seq_len=4096, data_parallel_mode="fsdp")
+    plain = evaluate_layout(config, Cluster(16, 80 * GIB), layout, options, 8)
+    slow_calls = evaluate_layout(config, Cluster(16, 80 * GIB, latency_seconds={"tp": 1e-3}), layout, options, 8)
+    calls = sum(transfer.count for transfer in communication_ledger(config, layout, options).stages[0]
+                if transfer.group == "tp")
+    assert slow_calls.exposed_seconds["tp"] == pytest.approx(plain.exposed_seconds["tp"] + calls * 1e-3, rel=1e-12)
+    exposed = evaluate_layout(config, Cluster(16, 80 * GIB, overlap=False), layout, options, 8)
+    ledger = communication_ledger(config, layout, options)
+    bandwidth = group_bandwidths(layout, 8)
+    whole_dp = ledger.seconds(0, bandwidth)["dp"]
+    assert plain.exposed_seconds["dp"] == pytest.approx(whole_dp["seconds"] - min(whole_dp["hideable_seconds"],
+                                                                                  plain.compute_seconds))
+    assert exposed.exposed_seconds["dp"] == pytest.approx(whole_dp["seconds"])
+    assert exposed.exposed_seconds["dp"] > plain.exposed_seconds["dp"]
+    assert exposed.exposed_seconds["tp"] == plain.exposed_seconds["tp"]  # tp was never hidden
