@@ -233,7 +233,7 @@ def test_model_that_tp_cannot_split_is_refused_before_process_groups():
 
 
 def test_strategy_argument_errors():
-    with pytest.raises(ValueError, match=r"data_parallel_mode='zero' is not one of \['replicate', 'fsdp'\]"):
+    with pytest.raises(ValueError, match=r"data_parallel_mode='zero' is not one of \['replicate', 'fsdp', 'zero1'\]"):
         TP3DStrategy(data_parallel_mode="zero")
     with pytest.raises(LayoutError, match=r"tensor_parallel_size must be a positive integer, got 0"):
         TP3DStrategy(tensor_parallel_size=0)
