@@ -66,8 +66,8 @@ __all__ = [
     "training_ledger",
 ]
 
-# precision -> (parameter, gradient, optimizer-state bytes per parameter, activation element bytes)
 DATA_PARALLEL_MODES: tuple[str, ...] = ("replicate", "fsdp", "zero1")
+# precision -> (parameter, gradient, optimizer-state bytes per parameter, activation element bytes)
 PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "32-true": (4, 4, 8, 4),
     "bf16-mixed": (4, 4, 8, 2),
