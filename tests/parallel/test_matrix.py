@@ -4,11 +4,11 @@ exactly like one process.
 Grid: the seven schedules x {replicate, fsdp} x tp in {1, 2} at pp = 2 and dp = 2 (worlds of 4 and 8
 processes, each spawned once), plus corners: gradient accumulation, full recompute, explicit
 `layers_per_stage`, `stages_per_rank = 3`, tied embeddings under tp, FSDP resharding after forward
-under 1F1B and FSDP keeping parameters gathered without pipelining, and ZeRO-1 (`zero1`) under the
-interleaved, DualPipeV and ZBV schedules and with tied embeddings. For every configuration, on every
-rank (each dp replica, each stage): the losses of 5 steps and every gradient the rank holds after
-step 1 against the single-process reference, per tensor with `torch.testing.assert_close`
-(rtol 1e-5, atol 1e-7, fp32).
+under 1F1B and FSDP keeping parameters gathered without pipelining, and ZeRO-1 (`zero1`) under every
+schedule but 1F1B (which `tests/parallel/test_zero.py` covers), with full recompute and tied
+embeddings. For every configuration, on every rank (each dp replica, each stage): the losses of 5
+steps and every gradient the rank holds after step 1 against the single-process reference, per tensor
+with `torch.testing.assert_close` (rtol 1e-5, atol 1e-7, fp32).
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ CORNERS: dict[int, dict[str, dict[str, Any]]] = {
         "tp2-pp1-fsdp-tied": dict(tp=2, pp=1, mode="fsdp", model=TIED),
         "tp2-pp1-fsdp-kept-gathered": dict(tp=2, pp=1, mode="fsdp", fsdp_reshard_after_forward=False),
         "tp1-interleaved_1f1b-zero1": _configuration(1, "interleaved_1f1b", "zero1"),
-        "tp1-dualpipev-zero1": _configuration(1, "dualpipev", "zero1")},
+        "tp1-dualpipev-zero1": _configuration(1, "dualpipev", "zero1"),
+        "tp1-gpipe-zero1": _configuration(1, "gpipe", "zero1"),
+        "tp1-looped_bfs-zero1": _configuration(1, "looped_bfs", "zero1")},
     8: {"tp2-1f1b-fsdp-accumulate-2": _configuration(2, "1f1b", "fsdp", accumulate=2),
         "tp2-zbv_zero_bubble-replicate-accumulate-2": _configuration(2, "zbv_zero_bubble", "replicate", accumulate=2),
         "tp2-interleaved_zero_bubble-fsdp-recompute": _configuration(2, "interleaved_zero_bubble", "fsdp",
@@ -72,7 +74,9 @@ CORNERS: dict[int, dict[str, dict[str, Any]]] = {
         "tp2-interleaved_1f1b-replicate-recompute": _configuration(2, "interleaved_1f1b", "replicate",
                                                                    recompute="full"),
         "tp2-zbv_zero_bubble-zero1-accumulate-2": _configuration(2, "zbv_zero_bubble", "zero1", accumulate=2),
-        "tp2-pp1-zero1-tied": dict(tp=2, pp=1, mode="zero1", model=TIED)},
+        "tp2-pp1-zero1-tied": dict(tp=2, pp=1, mode="zero1", model=TIED),
+        "tp2-interleaved_zero_bubble-zero1-recompute": _configuration(2, "interleaved_zero_bubble", "zero1",
+                                                                      recompute="full")},
 }
 CONFIGURATIONS = {name: configuration for table in (GRID, CORNERS) for world in table
                   for name, configuration in table[world].items()}

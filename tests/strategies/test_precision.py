@@ -9,7 +9,7 @@ precision, with tolerances shown to reject the wrong precision.
   (rtol 1e-5) is shown to reject the bf16 run.
 * bf16-true at (2, 2, 1): bf16 weights and optimizer against single-process bf16-true (mean |difference|
   <= 2e-3, which the fp32 and bf16-mixed references exceed: asserted).
-* `data_parallel_mode="zero1"` at (1, 1, 4): bf16-true and 16-mixed (the scaler unscales and checks each
+* `data_parallel_mode="zero1"` at (1, 1, 4): bf16-mixed, bf16-true and 16-mixed (the scaler unscales and checks each
   dp rank's parts of the gradients) against the same single-process runs.
 * 16-mixed at (2, 2, 1) with `TP3DPrecision`: linear layers run in fp16; an inf written into one tp rank's
   gradient makes every rank skip that step (weights unchanged everywhere) and halve the scale together;
@@ -115,7 +115,8 @@ def run_precision_world(directory: str) -> dict[str, Any]:
                   "no_tp_losses": _fit(1, 2, STEPS, "bf16-mixed", [capture], schedule="zbv_zero_bubble", mode="fsdp"),
                   "no_tp_first_grads": capture.first_grads,
                   # (1, 1, 4) replicate: the dp reduction overlapped with backward, on bf16-autocast gradients.
-                  "data_parallel_losses": _fit(1, 1, STEPS, "bf16-mixed")}
+                  "data_parallel_losses": _fit(1, 1, STEPS, "bf16-mixed"),
+                  "zero1_losses": _fit(1, 1, STEPS, "bf16-mixed", mode="zero1")}
     return {"straight": straight, "scales": watch.scales, "changed": watch.changed, "resumed": resumed,
             "resumed_scales": resumed_watch.scales, "fp16_dtypes": fp16_dtypes.dtypes, "bf16_true": bf16_true,
             "bf16_true_dtypes": dtypes.dtypes, "bf16_mixed": bf16_mixed, "zero1": zero1}
@@ -176,6 +177,7 @@ def test_bf16_mixed_matches_single_process_bf16_and_fp32_is_rejected(fp16, refer
         assert _mean_difference(rank["losses"], bf16["losses"]) <= BF16_MIXED_LOSS_TOLERANCE
         assert _mean_difference(rank["no_tp_losses"], bf16["losses"]) <= BF16_MIXED_LOSS_TOLERANCE
         assert _mean_difference(rank["data_parallel_losses"], bf16["losses"]) <= BF16_MIXED_LOSS_TOLERANCE
+        assert _mean_difference(rank["zero1_losses"], bf16["losses"]) <= BF16_MIXED_LOSS_TOLERANCE
         gradients.update(rank["no_tp_first_grads"])
     assert gradients.keys() == bf16["first_grads"].keys()
     assert _worst_relative_gradient_difference(gradients, bf16["first_grads"]) <= BF16_MIXED_GRADIENT_TOLERANCE
