@@ -5,10 +5,14 @@
 A model of about 160M parameters (640 MB in fp32, 1.9 GB with AdamW's moments) trains one step at
 tp = 2; then, in the same session:
 
-* save: `trainer.save_checkpoint` (DCP shards of every rank, RNG and trainer state, every file fsynced,
-  the folder renamed into place), checkpoint bytes / seconds;
-* load: `strategy.load_checkpoint` of that folder into the live model and optimizer (the files are in
-  the page cache, so this measures deserialisation and resharding, not the disk);
+* save: `trainer.save_checkpoint` (DCP shards of every rank, RNG and trainer state, every file fsynced
+  and hashed (SHA-256) as it is written, the folder renamed into place), checkpoint bytes / seconds;
+* load: `strategy.load_checkpoint` of that folder into the live model and optimizer, every file checked
+  against its recorded hash first (the files are in the page cache, so this measures hashing,
+  deserialisation and resharding, not the disk);
+* the cost of the hashes: each round also saves with a plain DCP writer (no hashes) and loads with
+  `verify_checkpoints=False`, back to back with the hashed ones in alternating order; the ratio is the
+  median of the per-round paired ratios (unhashed seconds / hashed seconds = hashed throughput / unhashed);
 * export, in one process: `export_checkpoint` to one fp32 safetensors file (fsynced) against two
   baselines writing the same bytes: the raw disk (pre-made bytes in 64 MB writes, then fsync) and
   `safetensors.torch.save_file` of the merged tensors already in memory (then fsync).
@@ -34,9 +38,11 @@ from typing import Any, Callable
 
 import lightning as L
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import save_file
 
+import lightning_tp3d.io.checkpoint as checkpoint_io
 from lightning_tp3d import ModelConfig, TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.io.checkpoint_format import load_model_tensors
@@ -59,21 +65,46 @@ def _fsync(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
+class _UnhashedWriter(dcp.FileSystemWriter):
+    """DCP's own writer, for the rounds without hashes (the package always hashes)."""
+
+    file_hashes: dict[str, str] = {}
+
+
 class SaveLoadTimer(Callback):
-    """At the end of training: save and load the checkpoint `rounds` times, timed between barriers."""
+    """At the end of training: save and load the checkpoint `rounds` times with the files hashed and
+    checked, and as many times without, the two back to back in alternating order, timed between barriers."""
 
     def __init__(self, folder: Path, rounds: int) -> None:
         self.folder, self.rounds = folder, rounds
-        self.save_seconds: list[float] = []
-        self.load_seconds: list[float] = []
+        self.seconds: dict[str, list[float]] = {name: [] for name in ("save", "load", "save unhashed",
+                                                                      "load unchecked")}
         self.checkpoint_bytes = 0
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         strategy = trainer.strategy
         path = self.folder / "benchmark.ckpt"
-        for _ in range(self.rounds):
-            self.save_seconds.append(_between_barriers(strategy, lambda: trainer.save_checkpoint(path)))
-            self.load_seconds.append(_between_barriers(strategy, lambda: strategy.load_checkpoint(path)))
+        checked, unchecked = strategy.core.options, replace(strategy.core.options, verify_checkpoints=False)
+
+        def hashed() -> None:
+            strategy.core.options = checked
+            self.seconds["save"].append(_between_barriers(strategy, lambda: trainer.save_checkpoint(path)))
+            self.seconds["load"].append(_between_barriers(strategy, lambda: strategy.load_checkpoint(path)))
+
+        def unhashed() -> None:
+            checkpoint_io.HashingFileSystemWriter, writer = _UnhashedWriter, checkpoint_io.HashingFileSystemWriter
+            try:
+                self.seconds["save unhashed"].append(_between_barriers(strategy, lambda: trainer.save_checkpoint(path)))
+            finally:
+                checkpoint_io.HashingFileSystemWriter = writer
+            strategy.core.options = unchecked
+            self.seconds["load unchecked"].append(_between_barriers(strategy, lambda: strategy.load_checkpoint(path)))
+            strategy.core.options = checked
+
+        for round_index in range(self.rounds):
+            for run in (hashed, unhashed) if round_index % 2 == 0 else (unhashed, hashed):
+                run()
+        hashed()  # leave a hashed checkpoint for the export rounds
         self.checkpoint_bytes = _folder_bytes(path)
 
 
@@ -141,15 +172,18 @@ def main() -> None:
     if trainer.global_rank != 0:
         return
     gigabyte = 1e9
-    save, load = statistics.median(timer.save_seconds), statistics.median(timer.load_seconds)
     results: dict[str, Any] = {
         "command": [sys.executable, *sys.argv], "machine": MACHINE, "parameters": config.num_parameters(),
         "checkpoint_bytes": timer.checkpoint_bytes,
-        "save": {"median_seconds": save, "rounds": timer.save_seconds,
-                 "bytes_per_second": timer.checkpoint_bytes / save},
-        "load": {"median_seconds": load, "rounds": timer.load_seconds,
-                 "bytes_per_second": timer.checkpoint_bytes / load},
     }
+    for name, rounds in timer.seconds.items():
+        rounds = rounds[:args.rounds]
+        results[name] = {"median_seconds": statistics.median(rounds), "rounds": rounds,
+                         "bytes_per_second": timer.checkpoint_bytes / statistics.median(rounds)}
+    for name, baseline in (("save", "save unhashed"), ("load", "load unchecked")):
+        paired = [plain / hashed for plain, hashed in zip(results[baseline]["rounds"], results[name]["rounds"])]
+        results[f"{name} hashed / {baseline}"] = {"median_ratio": statistics.median(paired), "rounds": paired}
+    save, load = results["save"]["median_seconds"], results["load"]["median_seconds"]
     results["export"] = _export_rounds(folder / "benchmark.ckpt", folder, args.rounds)
     export = results["export"]
     # Against the fastest baseline measured, as the median of the per-round paired ratios (throughput of
@@ -164,6 +198,8 @@ def main() -> None:
           f"  {results['save']['bytes_per_second'] / gigabyte:5.2f} GB/s")
     print(f"checkpoint load  {timer.checkpoint_bytes / gigabyte:5.2f} GB  {load:6.2f} s"
           f"  {results['load']['bytes_per_second'] / gigabyte:5.2f} GB/s")
+    for name in ("save hashed / save unhashed", "load hashed / load unchecked"):
+        print(f"{name}: throughput ratio {results[name]['median_ratio']:.3f} (median of paired rounds)")
     for name in ("raw disk write", "safetensors save_file", "export_checkpoint"):
         print(f"{name:22s} {export['bytes'] / gigabyte:5.2f} GB  {export[name]['median_seconds']:6.2f} s"
               f"  {export[name]['bytes_per_second'] / gigabyte:5.2f} GB/s")

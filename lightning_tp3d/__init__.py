@@ -5,10 +5,14 @@ from importlib.metadata import version
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_tp3d._compat.lightning import read_checkpoint_folders_with
 from lightning_tp3d._moved import install_moved_module_finder
+from lightning_tp3d.io.checkpoint_format import is_checkpoint_folder, read_lightning_checkpoint
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout, RankCoordinates
 from lightning_tp3d.strategies import TP3DFabricStrategy, TP3DPrecision, TP3DStrategy
+from lightning_tp3d.strategies.features import UnsupportedFeatureError
+from lightning_tp3d.strategies.grad_norm import grad_norm
 
 __all__ = [
     "LayoutError",
@@ -19,12 +23,14 @@ __all__ = [
     "TP3DFabricStrategy",
     "TP3DPrecision",
     "TP3DStrategy",
+    "UnsupportedFeatureError",
+    "grad_norm",
     "resolve_model_config",
 ]
 
 install_moved_module_finder()
-
-install_moved_module_finder()
+# `LightningModule.load_from_checkpoint(folder)` reads a checkpoint folder as Lightning's one-file checkpoint.
+read_checkpoint_folders_with(is_checkpoint_folder, read_lightning_checkpoint)
 
 __version__ = version("lightning-tp3d")  # pyproject.toml is the one place the version is written
 

@@ -5,6 +5,7 @@
     tp3d plan path/to/config.json --tp 2 --json
     tp3d export checkpoints/last.ckpt export/hf --dtype bf16 --deploy-tp 2 --max-shard-size 5GB
     tp3d check export/hf --checkpoint checkpoints/last.ckpt
+    tp3d verify checkpoints/last.ckpt
     tp3d plan deepseek-llm-67b --serve --gpu-memory 80GiB --max-model-len 4096 --deploy-tp 4 8
     torchrun --nproc-per-node 8 -m lightning_tp3d.cli doctor --tp 2 --pp 2
 
@@ -18,6 +19,8 @@ per mesh dimension and warns with fixes.
 compares an export's logits, as transformers computes them, with the checkpoint's weights rounded to the
 export's dtype: PASS <= 1e-3 < WARN <= 1e-2 < FAIL on the max |logit diff| (exit status 1 on FAIL, naming
 the first layer over the PASS band; a warning on WARN or when the export's dtype is not the training one).
+`verify` checks a checkpoint's files against the SHA-256 recorded when they were written, without loading
+a model (`export` and `check --checkpoint` check the files they read unless `--no-verify`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def _export_parser(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     export.add_argument("--overwrite", action="store_true",
                         help="replace OUTPUT even if it holds files that are not an earlier export")
+    export.add_argument("--no-verify", action="store_true",
+                        help="read the checkpoint without checking its files against their recorded hashes")
     export.set_defaults(run=_run_export)
 
 
@@ -51,7 +56,7 @@ def _run_export(args: argparse.Namespace) -> int:
     from lightning_tp3d.io.export import export_checkpoint
 
     result = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                               deploy_tp=args.deploy_tp, overwrite=args.overwrite)
+                               deploy_tp=args.deploy_tp, overwrite=args.overwrite, verify=not args.no_verify)
     print(f"wrote {result.folder}: {len(result.files)} file(s), {result.total_bytes:,} bytes of {args.dtype} tensors")
     if result.deploy_folder is not None:
         print(f"wrote {result.deploy_folder}: {args.deploy_tp} rank folders (vllm: --tensor-parallel-size"
@@ -71,6 +76,8 @@ def _check_parser(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--prompt-lengths", type=int, nargs="+", default=None)
     check.add_argument("--no-transformers", action="store_true", help="load the export into this package's decoder")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.add_argument("--no-verify", action="store_true",
+                       help="read --checkpoint without checking its files against their recorded hashes")
     check.set_defaults(run=_run_check)
 
 
@@ -87,7 +94,7 @@ def _run_check(args: argparse.Namespace) -> int:
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype_name, "fp32")
     candidate = consistency.model_from_hf_folder(export, use_transformers=not args.no_transformers)
     if args.checkpoint is not None:
-        reference = consistency.model_from_checkpoint(args.checkpoint)
+        reference = consistency.model_from_checkpoint(args.checkpoint, verify=not args.no_verify)
         trained = SERVING_DTYPE.get(read_meta(args.checkpoint).precision or "", None)
         if trained is not None and trained != dtype:
             print(f"warning: the export is {dtype} but the model was trained in {trained}; serve in the precision"
@@ -110,6 +117,32 @@ def _run_check(args: argparse.Namespace) -> int:
         print(f"warning: max |logit diff| {report.max_abs_diff:.3e} is above the PASS band ({warn_above:.0e});"
               f" look at {report.first_bad_layer} first.", file=sys.stderr)
     return 0 if report.passed else 1
+
+
+def _verify_parser(subparsers: argparse._SubParsersAction) -> None:
+    verify = subparsers.add_parser("verify", help="check a checkpoint's files against their recorded hashes")
+    verify.add_argument("checkpoint", help="a lightning_tp3d checkpoint folder")
+    verify.set_defaults(run=_run_verify)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    """Every file against its recorded SHA-256, and the DCP index read safely, without loading a model."""
+    from lightning_tp3d.io.checkpoint_format import (
+        check_shard_files,
+        checkpoint_folder,
+        read_index,
+        read_meta,
+        verify_files,
+    )
+
+    meta, folder = read_meta(args.checkpoint), checkpoint_folder(args.checkpoint)
+    if meta.file_hashes is None:
+        raise CheckpointError(f"{folder} records no file hashes (written by an earlier lightning_tp3d): nothing to"
+                              " verify against.")
+    verify_files(folder, meta)
+    check_shard_files(folder, read_index(folder))
+    print(f"{folder}: {len(meta.file_hashes)} files match their recorded SHA-256 (step {meta.global_step}).")
+    return 0
 
 
 def _doctor_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -188,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan_parser(subparsers)
     _export_parser(subparsers)
     _check_parser(subparsers)
+    _verify_parser(subparsers)
     _doctor_parser(subparsers)
     args = parser.parse_args(argv)
     try:

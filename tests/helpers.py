@@ -92,14 +92,28 @@ class CaptureGradients(Callback):
 def assert_adam_weights_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     """Weights after several AdamW steps from the same start, parallel against single-process.
 
-    AdamW moves an entry by lr x m / (sqrt(v) + eps): where a gradient is at eps's scale (1e-8), a 1e-9
-    difference in summation order becomes a difference of ~1e-5 in that entry (measured: up to 1.3e-5 on
-    a few dozen of 8,192 entries after 8 steps at (2, 2, 2), while every loss agrees to 1e-5). So: every
-    entry within 1e-4 (a thirtieth of one step at lr 3e-3) and the mean |difference| within 1e-7. A lost,
-    stale or misplaced optimizer state, or a wrong gradient, moves most entries by ~lr: a mean of ~1e-3."""
+    AdamW moves an entry by lr x m / (sqrt(v) + eps) a step, at most about lr. The two runs' gradients
+    agree to fp32 rounding of their different summation orders, so almost every entry differs by rounding
+    alone (~1e-9). An entry whose gradient comes out of cancellation near eps's scale (1e-8) is the
+    exception: its step depends on g / eps, and a rounding difference in g can move it by a good fraction
+    of lr, or flip its sign in the sign-like first step (measured: 1.29e-4 on 1 of 8,192 entries after 2
+    steps at (2, 2, 1); up to 1.3e-5 on a few dozen after 8 at (2, 2, 2)). So what separates a right run
+    from a wrong one is how many entries differ, not by how much the worst one does:
+
+    * at most 1% of the entries differ by more than 1e-5 (a 300th of a step at lr 3e-3; measured: at
+      most 0.02%);
+    * the mean |difference| is at most 1e-6: the rounding of the rest (1e-9) plus at most 1% of the entries
+      at a thirtieth of a step, 1e-4 (measured: 2e-8 and, on an AMD EPYC, 1.006e-7, above an earlier
+      bound of 1e-7 set at one machine's value);
+    * no entry differs by more than 1e-2, three whole steps (a blow-up).
+
+    A lost, stale or misplaced optimizer state, or a wrong gradient, moves most entries by ~lr: over half
+    of them beyond 1e-5 and a mean of ~1e-3."""
     difference = (actual - expected).abs()
-    assert difference.max().item() <= 1e-4, (name, "max", difference.max().item())
-    assert difference.mean().item() <= 1e-7, (name, "mean", difference.mean().item())
+    assert difference.max().item() <= 1e-2, (name, "max", difference.max().item())
+    assert (difference > 1e-5).float().mean().item() <= 0.01, (name, "share > 1e-5",
+                                                              (difference > 1e-5).float().mean().item())
+    assert difference.mean().item() <= 1e-6, (name, "mean", difference.mean().item())
 
 
 def world_size() -> int:

@@ -198,10 +198,11 @@ def compare_models(reference: nn.Module, candidate: nn.Module, prompts: Sequence
                            tolerance, warn_above)
 
 
-def model_from_checkpoint(checkpoint: str | Path) -> nn.Module:
+def model_from_checkpoint(checkpoint: str | Path, verify: bool = True) -> nn.Module:
     """The trained network with a checkpoint's whole weights (any layout), in this process: the
-    `transformers` model of its recorded Hugging Face config, or the reference decoder."""
-    reader = ModelTensorReader(checkpoint)
+    `transformers` model of its recorded Hugging Face config, or the reference decoder (the files read
+    checked against their recorded hashes unless `verify=False`)."""
+    reader = ModelTensorReader(checkpoint, verify)
     saved = reader.meta.model_config or {}
     if "model_type" in saved:
         from transformers import AutoConfig, AutoModelForCausalLM

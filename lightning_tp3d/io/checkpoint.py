@@ -6,6 +6,10 @@ at one layout loads at any other. The folder's format (meta.json, DCP shards, we
 files) and reading it in one process are described in `lightning_tp3d.io.checkpoint_format`, whose
 names are importable from here too.
 
+Every file's SHA-256 is computed from the bytes as they are written and recorded in meta.json with the
+rank that wrote it; a load checks the files against it first (each rank hashing a share of them) and
+refuses a damaged checkpoint naming the file and the rank (`verify=False` skips the check).
+
 A save writes `<name>.partial` and moves it to `<name>` after every rank has finished, so an
 interrupted save never leaves a half-written folder under the checkpoint's name, and an existing
 checkpoint of that name is replaced without a moment at which neither exists (or, where the system
@@ -23,6 +27,8 @@ Example usage::
 from __future__ import annotations
 
 import enum
+import hashlib
+import io
 import os
 from collections.abc import Mapping
 from pathlib import Path, PurePath
@@ -45,15 +51,19 @@ from lightning_tp3d.io.checkpoint_format import (
     ModelTensorReader,
     check_shard_files,
     checkpoint_folder,
+    damaged_files,
     dcp_single_process_notice_silenced,
     is_complete,
     load_model_tensors,
     load_weights_only,
     model_tensor_shapes,
+    raise_damaged,
     read_index,
     read_meta,
     rng_file_name,
+    verify_files,
 )
+from lightning_tp3d.io.dcp_files import DCP_INDEX_FILE, HashingFileSystemWriter, SafeFileSystemReader
 from lightning_tp3d.io.folders import PARTIAL_SUFFIX, finish_interrupted_replacement, replace_folder, staging_folder
 from lightning_tp3d.io.random_state import capture_rng_state
 
@@ -103,18 +113,20 @@ def save_checkpoint(
         staging_folder(path, "checkpoint")
         (partial / RNG_FOLDER).mkdir()
     _barrier()
-    _save_synced(capture_rng_state(), partial / RNG_FOLDER / rng_file_name(rank))
+    hashes = {f"{RNG_FOLDER}/{rng_file_name(rank)}": _save_synced(capture_rng_state(),
+                                                                  partial / RNG_FOLDER / rng_file_name(rank))}
     if rank == 0:
-        _save_synced({"trainer": _plain(trainer_state, "trainer_state"), "values": values},
-                     partial / TRAINER_STATE_FILE)
+        hashes[TRAINER_STATE_FILE] = _save_synced({"trainer": _plain(trainer_state, "trainer_state"), "values": values},
+                                                  partial / TRAINER_STATE_FILE)
+    writer = HashingFileSystemWriter(partial)
     if asynchronous:
         stager = _pinned_stager() if any(_on_cuda(tensor) for tensor in tensors.values()) else None
-        shards_written = dcp.async_save(tensors, checkpoint_id=partial, process_group=process_group,
+        shards_written = dcp.async_save(tensors, storage_writer=writer, process_group=process_group,
                                         async_stager=stager)
-        return PendingSave(path, meta, shards_written, stager)
+        return PendingSave(path, meta, hashes, writer, shards_written, stager)
     with dcp_single_process_notice_silenced():
-        dcp.save(tensors, checkpoint_id=partial, no_dist=not dist.is_initialized())
-    pending = PendingSave(path, meta)
+        dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+    pending = PendingSave(path, meta, hashes, writer)
     pending.finish()
     return pending
 
@@ -133,12 +145,15 @@ def _pinned_stager() -> Any:
 
 
 class PendingSave:
-    """A checkpoint whose shards are being written; `finish()` (a collective) waits for them, writes
-    `meta.json` and renames `<name>.partial` to `<name>`."""
+    """A checkpoint whose shards are being written; `finish()` (a collective) waits for them, gathers every
+    rank's file hashes into `meta.json`, writes it and renames `<name>.partial` to `<name>`."""
 
-    def __init__(self, path: Path, meta: CheckpointMeta, shards_written: Any = None, stager: Any = None) -> None:
+    def __init__(self, path: Path, meta: CheckpointMeta, hashes: dict[str, str], writer: HashingFileSystemWriter,
+                 shards_written: Any = None, stager: Any = None) -> None:
         self.path = path
         self._meta = meta
+        self._hashes = hashes
+        self._writer = writer
         self._shards_written = shards_written
         self._stager = stager
         self._finished = False
@@ -151,8 +166,12 @@ class PendingSave:
             self._shards_written.result()
         if self._stager is not None:
             self._stager.close()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mine = {name: {"sha256": digest, "rank": rank} for name, digest in {**self._hashes,
+                                                                          **self._writer.file_hashes}.items()}
+        self._meta.file_hashes = _merge_on_rank_zero(mine)
         _barrier()
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if rank == 0:
             partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
             with open(partial / META_FILE, "w", encoding="utf-8") as file:  # last: it marks a whole folder
                 file.write(self._meta.to_json())
@@ -182,11 +201,15 @@ def _merge_on_rank_zero(values: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _save_synced(value: Any, file: Path) -> None:
+def _save_synced(value: Any, file: Path) -> str:
+    """Write `value` with `torch.save` and fsync; returns the SHA-256 of the bytes written."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
     with open(file, "wb") as handle:
-        torch.save(value, handle)
+        handle.write(buffer.getbuffer())
         handle.flush()
         os.fsync(handle.fileno())
+    return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -223,26 +246,31 @@ def _barrier() -> None:
 
 # ---------------------------------------------------------------------------------------------- load
 def load_checkpoint(
-    path: str | Path, state: Mapping[str, dict[str, Any]], strict: bool = True
+    path: str | Path, state: Mapping[str, dict[str, Any]], strict: bool = True, verify: bool = True
 ) -> tuple[CheckpointMeta, dict[str, Any]]:
     """Fill `state` (the same structure `save_checkpoint` takes, holding this rank's tensors at the current
     layout) from the checkpoint in place; return its meta and trainer state. A collective.
 
-    Before reading any tensor the shard files are checked against the DCP index (missing or truncated
-    files) and every requested tensor against the stored names and global shapes (another model).
-    With `strict=False` model tensors missing from the checkpoint keep their values.
+    Before reading any tensor every file is checked against the hash recorded when it was written (unless
+    `verify=False`), the shard files against the DCP index (missing or truncated files) and every
+    requested tensor against the stored names and global shapes (another model). With `strict=False`
+    model tensors missing from the checkpoint keep their values.
     """
     meta = read_meta(path)
     path = checkpoint_folder(path)
+    if verify:
+        verify_files(path, meta, [DCP_INDEX_FILE])
     metadata = read_index(path)
     check_shard_files(path, metadata)
+    if verify:
+        _verify_in_shares(path, meta)
     tensors, _ = _split_tensors(state)
     missing = _check_tensors_match(path, metadata, tensors, strict)
     for key in missing:
         del tensors[key]
     try:
         with dcp_single_process_notice_silenced():
-            dcp.load(tensors, checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(path, metadata), no_dist=not dist.is_initialized())
     except Exception as error:  # noqa: BLE001 - DCP's own errors name neither the file nor the cause
         raise CheckpointError(f"Reading the tensors of {path} failed ({type(error).__name__}: {error}).") from error
     saved = load_weights_only(path / TRAINER_STATE_FILE)
@@ -251,6 +279,19 @@ def load_checkpoint(
             if not isinstance(value, torch.Tensor) and f"{group}.{key}" in saved["values"]:
                 entries[key] = saved["values"][f"{group}.{key}"]
     return meta, saved["trainer"]
+
+
+def _verify_in_shares(folder: Path, meta: CheckpointMeta) -> None:
+    """Each rank hashes its share of the recorded files (the i-th on rank i mod world); the problems are
+    gathered, so that every rank refuses a damaged checkpoint together, naming the files."""
+    if meta.file_hashes is None or not dist.is_initialized():
+        verify_files(folder, meta)
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = damaged_files(folder, meta, sorted(meta.file_hashes)[rank::world])
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, problems)
+    raise_damaged(folder, [problem for share in gathered for problem in share])
 
 
 def load_rng_state(path: str | Path, rank: int) -> dict[str, Any]:

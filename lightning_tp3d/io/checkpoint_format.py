@@ -11,10 +11,14 @@ A checkpoint is a folder::
                         and global shape: `module.<parameter name>` for the model and
                         `optimizer_<i>.state.<parameter name>.<state>` for the optimizers
 
+meta.json records the SHA-256 of every other file (`file_hashes`, computed from the bytes as they were
+written) and the rank that wrote it; readers check the files they read against it (`verify_files`).
+
 Because DCP stores each tensor by global name and global shape, and every rank asks only for the
 pieces it holds (its pipeline stages, its tp slice, its FSDP shard), a checkpoint written at one
 layout loads at any other. The `.pt` files hold only tensors, numbers, strings and containers and are
-read with `torch.load(..., weights_only=True)`; no value of the checkpoint is unpickled as an object.
+read with `torch.load(..., weights_only=True)`; the DCP index with a restricted unpickler
+(`io.dcp_files`); no value of the checkpoint is unpickled as an object.
 
 `lightning_tp3d.io.checkpoint` saves and loads such folders from running processes.
 
@@ -39,6 +43,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from lightning_tp3d.io.dcp_files import (
+    DCP_INDEX_FILE,
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    file_sha256,
+    read_dcp_index,
+)
 from lightning_tp3d.io.folders import PARTIAL_SUFFIX, REPLACED_SUFFIX, recovered_path
 
 __all__ = [
@@ -51,14 +62,19 @@ __all__ = [
     "TRAINER_STATE_FILE",
     "check_shard_files",
     "checkpoint_folder",
+    "damaged_files",
     "dcp_single_process_notice_silenced",
+    "is_checkpoint_folder",
     "is_complete",
     "load_model_tensors",
     "load_weights_only",
     "model_tensor_shapes",
     "read_index",
+    "read_lightning_checkpoint",
     "read_meta",
+    "raise_damaged",
     "rng_file_name",
+    "verify_files",
 ]
 
 FORMAT = "lightning_tp3d"
@@ -101,6 +117,8 @@ class CheckpointMeta:
     loss: float | None = None  # the last training loss (mean over dp replicas) before the save
     loss_mean: float | None = None  # mean and standard deviation of the last steps' losses
     loss_std: float | None = None
+    # every other file of the folder -> {"sha256": hex digest, "rank": the rank that wrote it}
+    file_hashes: dict[str, dict[str, Any]] | None = None
     versions: dict[str, str] = field(default_factory=_library_versions)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
@@ -178,8 +196,11 @@ def read_meta(path: str | Path) -> CheckpointMeta:
 
 
 def read_index(path: Path) -> Metadata:
+    """The DCP index, read with the restricted unpickler (`io.dcp_files.read_dcp_index`)."""
     try:
-        return dcp.FileSystemReader(path).read_metadata()
+        return read_dcp_index(path)
+    except UnsafeCheckpointError as error:
+        raise CheckpointError(str(error)) from None
     except Exception as error:  # noqa: BLE001
         raise CheckpointError(
             f"The DCP index {path / '.metadata'} cannot be read ({type(error).__name__}: {error}); the checkpoint"
@@ -212,29 +233,58 @@ def load_weights_only(file: Path) -> Any:
         raise CheckpointError(f"{file} cannot be read safely ({type(error).__name__}: {error}).") from None
 
 
+def damaged_files(folder: Path, meta: CheckpointMeta, names: Iterable[str] | None = None) -> list[str]:
+    """What is wrong with the recorded files among `names` (default: all of them): each missing file, and
+    each whose SHA-256 is not the one recorded when it was written; empty when all are whole."""
+    recorded = meta.file_hashes or {}
+    problems = []
+    for name in sorted(recorded if names is None else set(names) & set(recorded)):
+        expected, rank = recorded[name]["sha256"], recorded[name]["rank"]
+        file = folder / name
+        if not file.is_file():
+            problems.append(f"{file} (written by rank {rank}) is missing")
+            continue
+        found = file_sha256(file)
+        if found != expected:
+            problems.append(f"{file} (written by rank {rank}) does not match the SHA-256 recorded when it was saved"
+                            f" ({expected[:16]}... recorded, {found[:16]}... on disk)")
+    return problems
+
+
+def raise_damaged(folder: Path, problems: list[str]) -> None:
+    if problems:
+        raise CheckpointError(
+            f"Checkpoint {folder} is damaged: {'; '.join(problems[:3])}"
+            + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+            + ". The files were altered or damaged after the save: restore them or use another checkpoint"
+            " (TP3DStrategy(verify_checkpoints=False) or `tp3d export --no-verify` load it unchecked)."
+        )
+
+
+def verify_files(folder: Path, meta: CheckpointMeta, names: Iterable[str] | None = None) -> None:
+    """Refuse the checkpoint when one of the files `names` (default: all) is missing or not as written; a
+    checkpoint written before files were hashed is loaded unchecked, with a warning."""
+    if meta.file_hashes is None:
+        warnings.warn(f"Checkpoint {folder} records no file hashes (written by an earlier lightning_tp3d): its files"
+                      " are loaded unchecked.", stacklevel=2)
+        return
+    raise_damaged(folder, damaged_files(folder, meta, names))
+
+
 # ---------------------------------------------------------------------------------------------- consolidate
-class _IndexedReader(dcp.FileSystemReader):
-    """A DCP reader that hands out an index read before, instead of unpickling `.metadata` per load."""
-
-    def __init__(self, path: Path, metadata: Metadata) -> None:
-        super().__init__(path)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
-
-
 class ModelTensorReader:
     """Whole model tensors of a checkpoint, merged from every shard, in this process alone.
 
-    The checkpoint is checked and its DCP index read once (meta.json, index, shard files); `load` then
-    reads only the requested tensors, so a caller asking for one name at a time streams the model
-    (export does) without paying for the index on every call.
+    The checkpoint is checked and its DCP index read once (meta.json, index, shard files and, unless
+    `verify=False`, their recorded hashes); `load` then reads only the requested tensors, so a caller asking
+    for one name at a time streams the model (export does) without paying for the index on every call.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, verify: bool = True) -> None:
         self.meta = read_meta(path)
         self.path = checkpoint_folder(path)
+        if verify:
+            verify_files(self.path, self.meta, [DCP_INDEX_FILE])
         metadata = read_index(self.path)
         check_shard_files(self.path, metadata)
         self._metadata = metadata
@@ -243,6 +293,10 @@ class ModelTensorReader:
             key.removeprefix(prefix): (entry.size, entry.properties.dtype)
             for key, entry in metadata.state_dict_metadata.items()
             if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+        if verify and self.meta.file_hashes is not None:
+            model_files = {info.relative_path for index, info in (metadata.storage_data or {}).items()
+                           if index.fqn.startswith(prefix)}
+            raise_damaged(self.path, damaged_files(self.path, self.meta, model_files))
 
     def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         names = list(self.shapes) if names is None else list(names)
@@ -252,7 +306,7 @@ class ModelTensorReader:
         tensors = {f"{MODEL_GROUP}.{name}": torch.empty(self.shapes[name][0], dtype=self.shapes[name][1])
                    for name in names}
         with dcp_single_process_notice_silenced():
-            dcp.load(tensors, storage_reader=_IndexedReader(self.path, self._metadata), no_dist=True)
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(self.path, self._metadata), no_dist=True)
         return {key.removeprefix(MODEL_GROUP + "."): tensor for key, tensor in tensors.items()}
 
 
@@ -264,3 +318,19 @@ def model_tensor_shapes(path: str | Path) -> dict[str, tuple[torch.Size, torch.d
 def load_model_tensors(path: str | Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """Whole model tensors (all, or `names`) merged from every shard, in this process alone."""
     return ModelTensorReader(path).load(names)
+
+
+def is_checkpoint_folder(path: Path) -> bool:
+    """Whether `path` is a folder holding a complete checkpoint of this package."""
+    return path.is_dir() and is_complete(checkpoint_folder(path))
+
+
+def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The checkpoint as Lightning's one-file checkpoint dict, in this process alone: the saved trainer state
+    (hyper-parameters, loops, callbacks, LR schedulers) with `state_dict` holding the whole model tensors
+    under the LightningModule's names. It is what `LightningModule.load_from_checkpoint(folder)` reads; the
+    optimizer states, which loading a module does not need, are left out."""
+    reader = ModelTensorReader(path)
+    raise_damaged(reader.path, damaged_files(reader.path, reader.meta, [TRAINER_STATE_FILE]))
+    trainer_state = load_weights_only(reader.path / TRAINER_STATE_FILE)["trainer"]
+    return {**trainer_state, "state_dict": reader.load()}

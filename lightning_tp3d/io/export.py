@@ -80,18 +80,20 @@ def export_checkpoint(
     max_shard_size: str | int = "5GB",
     deploy_tp: int | None = None,
     overwrite: bool = False,
+    verify: bool = True,
 ) -> ExportResult:
     """Merge a checkpoint of any (tp, pp, dp) into a Hugging Face folder, in this process alone.
 
     `output` may be new, empty or an earlier export (replaced whole once the new one is complete);
-    a folder holding anything else is refused unless `overwrite=True`, which replaces it."""
+    a folder holding anything else is refused unless `overwrite=True`, which replaces it. The files read
+    are checked against their recorded hashes first (`verify=False` skips that)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(EXPORT_DTYPES)}.")
     checkpoint, output = Path(checkpoint), Path(output)
     check_output_folder(output, HF_EXPORT, overwrite)
     if deploy_tp is not None:
         check_output_folder(deploy_folder(output, deploy_tp), DEPLOY_SHARDS, overwrite)
-    reader = ModelTensorReader(checkpoint)  # checked once, then read one tensor at a time
+    reader = ModelTensorReader(checkpoint, verify)  # checked once, then read one tensor at a time
     meta = reader.meta
     if meta.model_config is None:
         raise CheckpointError(

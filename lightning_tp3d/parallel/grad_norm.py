@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import get_total_norm
 
-__all__ = ["clip_grad_norm_", "global_grad_norm"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "global_grad_norm"]
 
 
 def _group_gradients(parameters: Iterable[nn.Parameter]) -> dict[object, list[nn.Parameter]]:
@@ -70,3 +70,12 @@ def clip_grad_norm_(
             # Scaling commutes with every placement (shard, replicate, partial): scale the local part.
             (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(clip_coefficient.to(grad.device))
     return total_norm
+
+
+@torch.no_grad()
+def clip_grad_value_(parameters: Iterable[nn.Parameter], clip_value: float) -> None:
+    """Clamp every gradient entry to [-clip_value, clip_value] (elementwise: each rank clamps its local part)."""
+    for parameter in parameters:
+        grad = parameter.grad
+        if grad is not None:
+            (grad.to_local() if isinstance(grad, DTensor) else grad).clamp_(-clip_value, clip_value)

@@ -2,8 +2,18 @@
 
 `TP3DStrategyBase` comes first in each strategy's bases (before Lightning's `ModelParallelStrategy`):
 the layout resolved before launch, the mesh built when the environment is set up, the dp-rank sampler,
-the dp group as the default group of reductions, the skip of non-finite steps, the strategy
-registration, and collectives inside hooks that name the group they are stuck in.
+the groups of Lightning's collectives, the skip of non-finite steps, the strategy registration, and
+collectives inside hooks that name the group they are stuck in.
+
+Which group each of Lightning's collectives needs (every call site is listed in docs/lightning.md):
+
+* values (`reduce` / `all_reduce` of logged metrics, `all_gather`): the dp group. The tp x pp ranks of
+  one replica hold the same batch and the same loss, so over the world each sample would count tp x pp
+  times; over dp every replica counts once, which is what DDP's processes are.
+* decisions (`reduce_boolean_decision`: stop early, save a top-k checkpoint, a file exists, a spike):
+  the whole world. Lightning sums the votes and compares the sum with `world_size`, so a sum over dp
+  could never reach it when tp x pp > 1, and every rank must leave with the same answer.
+* `broadcast` and `barrier`: the whole world, as Lightning's (paths, `should_stop`, the tuner's results).
 """
 
 from __future__ import annotations
@@ -90,6 +100,23 @@ class TP3DStrategyBase:
         if group is None and self._device_mesh is not None:
             return self.core.group("dp")
         return group
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """True on every rank when every rank (`all=True`) or any rank (`all=False`) decided True: the votes
+        of the whole world, not of the dp group that `reduce` defaults to."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return bool(decision)
+        votes = torch.tensor(int(bool(decision)), dtype=torch.int32, device=self.root_device)
+        torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.SUM)
+        return int(votes) == torch.distributed.get_world_size() if all else int(votes) > 0
+
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        """`tensor` of every dp replica, stacked: shape [dp, ...], as DDP's processes give (the dp group by
+        default, see `_reduction_group`). `LightningModule.all_gather` and `Fabric.all_gather` pass the
+        world's group when given none, so that group means the default here too."""
+        if group is torch.distributed.group.WORLD:
+            group = None
+        return super().all_gather(tensor, group=self._reduction_group(group), sync_grads=sync_grads)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

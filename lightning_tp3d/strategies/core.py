@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from lightning_tp3d.data.sampler import SamplePosition
 from lightning_tp3d.diagnostics.doctor import DoctorReport, run_doctor
@@ -72,11 +71,13 @@ from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward
 from lightning_tp3d.strategies.options import ParallelOptions
 
-__all__ = ["FLAT_OPTIMIZER_STATE", "ParallelCore", "model_config", "resolve_attribute"]
+__all__ = ["FLAT_OPTIMIZER_STATE", "ParallelCore", "UNSTEPPED", "model_config", "resolve_attribute"]
 
 # Flattened optimizer state is keyed by parameter name (`state.<name>.exp_avg`), not by position, so the
 # state of a stage's parameters is found again under any pipeline split.
 FLAT_OPTIMIZER_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
+# The flag in a saved optimizer state telling that the optimizer had taken no step (see `optimizer_state`).
+UNSTEPPED = "tp3d_unstepped"
 
 _MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                        "num_attention_heads", "num_key_value_heads")
@@ -114,6 +115,7 @@ class ParallelCore:
         self._overlap: OverlappedGradientReduction | None = None
         self._overlap_parameters: list[int] = []
         self._zero: ZeroOptimizerSharding | None = None
+        self._reduced_parameters: list[nn.Parameter] | None = None  # reduced since the last backward
         self.last_gradient_wait_seconds = 0.0
 
     # ------------------------------------------------------------------ layout and mesh
@@ -237,6 +239,7 @@ class ParallelCore:
     def take_pipeline_gradients(self) -> None:
         """Add the gradients the last pipelined forward computed (the backward of a pipelined step), scaled
         by what the loop's backward of the returned loss asked for (see `parallel.pipeline.forward`)."""
+        self._reduced_parameters = None
         if self._handover is not None:
             self._handover.take()
 
@@ -244,6 +247,7 @@ class ParallelCore:
         """Arm the dp reduction overlapped with the coming backward (`parallel.overlap`: replicate mode,
         dp > 1, no pipeline, `overlap_gradient_reduction`); `completes_gradients`: the last backward before
         the optimizer step (not an accumulating one)."""
+        self._reduced_parameters = None
         if not (self.options.overlap_gradient_reduction and self.data_parallel_mode == "replicate"
                 and self.layout.data_parallel_size > 1 and self.pipeline is None):
             return
@@ -261,7 +265,12 @@ class ParallelCore:
         reduction launched during backward is waited for, the rest reduced now; in `"zero1"` mode reduce-
         scatter them to the parts the optimizer updates (`parallel.zero`). Returns the parameters that now
         hold the reduced gradients (the parts in `"zero1"` mode). The host seconds this takes after
-        backward are kept in `last_gradient_wait_seconds` (the exposed dp time)."""
+        backward are kept in `last_gradient_wait_seconds` (the exposed dp time).
+
+        Once per backward: a later call returns the first call's parameters without reducing again (manual
+        optimization clips before its `optimizer.step()`, and both need the reduced gradients)."""
+        if self._reduced_parameters is not None:
+            return self._reduced_parameters
         started = time.perf_counter()
         parameters = list(parameters)
         if self._overlap is not None:
@@ -272,6 +281,7 @@ class ParallelCore:
         elif self._overlap is None and self.data_parallel_mode == "replicate" and self.layout.data_parallel_size > 1:
             all_reduce_gradients(parameters, self.group("dp"), self.layout.data_parallel_size)
         self.last_gradient_wait_seconds = time.perf_counter() - started
+        self._reduced_parameters = parameters
         return parameters
 
     def shard_optimizers(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -296,13 +306,6 @@ class ParallelCore:
         self.last_clip_norm = clip_grad_norm_(parameters, max_norm, self.group("pp"), mesh_device(self.mesh))
         return self.last_clip_norm
 
-    @staticmethod
-    def clip_gradients_by_value(parameters: Iterable[nn.Parameter], clip_value: float) -> None:
-        for parameter in parameters:
-            grad = parameter.grad
-            if grad is not None:
-                (grad.to_local() if isinstance(grad, DTensor) else grad).clamp_(-clip_value, clip_value)
-
     # ------------------------------------------------------------------ checkpoints
     def optimizer_owner(self, module: nn.Module) -> nn.Module:
         """The module whose parameters an optimizer holds: `module`, or in `"zero1"` mode the parts' tree
@@ -310,8 +313,16 @@ class ParallelCore:
         return self._zero.state_module if self._zero is not None else module
 
     def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """`optimizer`'s flattened state dict: this rank's shards, keyed by the parameters' global names."""
-        return get_optimizer_state_dict(self.optimizer_owner(module), optimizer, options=FLAT_OPTIMIZER_STATE)
+        """`optimizer`'s flattened state dict: this rank's shards, keyed by the parameters' global names,
+        with `UNSTEPPED`: whether it has taken no step. torch builds a missing state with a step at learning
+        rate 0, after which Adam's step count would start at 1 (its bias correction off for the whole run):
+        such an optimizer is left without state, and so is one loaded from its checkpoint (`load`)."""
+        unstepped = not optimizer.state and all(parameter.grad is None for group in optimizer.param_groups
+                                                for parameter in group["params"])
+        state = get_optimizer_state_dict(self.optimizer_owner(module), optimizer, options=FLAT_OPTIMIZER_STATE)
+        if unstepped:
+            optimizer.state.clear()
+        return {**state, UNSTEPPED: unstepped}
 
     def states_of(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
                   ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -356,11 +367,17 @@ class ParallelCore:
         """Fill `module` and `optimizers` from a checkpoint of any layout, restore this rank's random states
         (same layout only) and the consumed-samples position; return the meta and the saved trainer state."""
         model_state, optimizer_states = self.states_of(module, optimizers)
-        meta, trainer_state = load_checkpoint(path, self._sharded_state(model_state, optimizer_states), strict=strict)
+        for optimizer_state in optimizer_states:
+            optimizer_state[UNSTEPPED] = False  # unless the checkpoint says so
+        meta, trainer_state = load_checkpoint(path, self._sharded_state(model_state, optimizer_states), strict=strict,
+                                              verify=self.options.verify_checkpoints)
         set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
         for optimizer, optimizer_state in zip(optimizers, optimizer_states):
+            unstepped = optimizer_state.pop(UNSTEPPED)
             set_optimizer_state_dict(self.optimizer_owner(module), optimizer, optimizer_state,
                                      options=FLAT_OPTIMIZER_STATE)
+            if unstepped:
+                optimizer.state.clear()
         layout = self.layout
         current = (layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size)
         if meta.parallel_sizes == current:

@@ -34,13 +34,14 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
-from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.utilities.types import Optimizable, ReduceOp
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_tp3d._compat.lightning import ParallelBackwardSyncControl
+from lightning_tp3d.parallel.grad_norm import clip_grad_value_
 from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
@@ -53,7 +54,7 @@ __all__ = ["TP3DFabricStrategy"]
 _KEYS = "tp3d_state_keys"  # where a Fabric checkpoint records which of its keys were the model and optimizers
 
 
-class _BackwardSyncControl(_ParallelBackwardSyncControl):
+class _BackwardSyncControl(ParallelBackwardSyncControl):
     """`fabric.no_backward_sync(model)`: FSDP2 skips its reduce-scatter, replicate mode its all-reduce."""
 
     def __init__(self, strategy: TP3DFabricStrategy) -> None:
@@ -104,6 +105,7 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         preflight: bool = False,
         skip_non_finite_steps: bool = True,
         max_consecutive_skips: int = 5,
+        verify_checkpoints: bool = True,
     ) -> None:
         super().__init__(parallelize_fn=self._parallelize, data_parallel_size=data_parallel_size,
                          tensor_parallel_size=tensor_parallel_size, save_distributed_checkpoint=True,
@@ -185,7 +187,7 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self.precision.unscale_gradients(optimizer)
-        self.core.clip_gradients_by_value(self.precision.main_params(optimizer), clip_val)
+        clip_grad_value_(self.precision.main_params(optimizer), clip_val)
 
     @override
     def all_reduce(self, tensor: torch.Tensor, group: Any | None = None,
@@ -197,17 +199,31 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
-        """The Trainer strategy's checkpoint format: one model, its optimizers, the rest of `state`."""
-        if storage_options is not None or filter is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter.")
+        """The Trainer strategy's checkpoint format: one model, its optimizers, the rest of `state`.
+
+        `filter` keeps, for a key of `state`, the entries `(name, value)` it returns True for, as Fabric
+        does: for the model, tensors of its state dict by name (every rank filters its own shards; load the
+        checkpoint with `strict=False`), for a dict value its items. An optimizer's state is sharded like the
+        parameters and saved whole, so a filter on an optimizer's key is refused."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it writes DCP shards).")
         path = Path(self.broadcast(str(path)))
         model_key, module, optimizers = _split_state(state)
-        rest = {key: value for key, value in state.items() if key != model_key and key not in optimizers}
+        filter = filter or {}
+        if any(key in optimizers for key in filter):
+            raise ValueError(
+                f"filter={{{', '.join(repr(key) for key in filter if key in optimizers)}: ...}} names an optimizer:"
+                f" {type(self).__name__} saves an optimizer's (sharded) state whole. Filter the model's key"
+                f" ({model_key!r}) or plain dicts only."
+            )
+        rest = {key: _filtered(value, filter.get(key)) for key, value in state.items()
+                if key != model_key and key not in optimizers}
         rest[_KEYS] = {"model": model_key, "optimizers": list(optimizers)}
         step = state.get("step", 0)
         meta = self.core.checkpoint_meta(self.world_size, step if isinstance(step, int) else 0, 0, "", module,
                                          str(self.precision.precision))
-        self.core.save(path, *self.core.states_of(module, list(optimizers.values())), rest, meta)
+        model_state, optimizer_states = self.core.states_of(module, list(optimizers.values()))
+        self.core.save(path, _filtered(model_state, filter.get(model_key)), optimizer_states, rest, meta)
 
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
@@ -224,6 +240,12 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         return saved
 
 
+def _filtered(value: Any, keep: Callable[[str, Any], bool] | None) -> Any:
+    if keep is None or not isinstance(value, dict):
+        return value
+    return {key: item for key, item in value.items() if keep(key, item)}
+
+
 def _split_state(state: Mapping[str, Any]) -> tuple[str, nn.Module, dict[str, Optimizer]]:
     modules = [key for key, value in state.items() if isinstance(value, nn.Module)]
     if len(modules) != 1:
@@ -234,5 +256,5 @@ def _split_state(state: Mapping[str, Any]) -> tuple[str, nn.Module, dict[str, Op
 
 
 name_stuck_collectives_in(TP3DFabricStrategy, ("backward", "optimizer_step", "clip_gradients_norm", "save_checkpoint",
-                                               "load_checkpoint",
-                                               "all_reduce", "barrier", "broadcast"))
+                                               "load_checkpoint", "all_reduce", "all_gather", "reduce_boolean_decision",
+                                               "barrier", "broadcast"))

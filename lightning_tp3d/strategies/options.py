@@ -57,6 +57,7 @@ class ParallelOptions:
     preflight: bool = False
     skip_non_finite_steps: bool = True
     max_consecutive_skips: int = 5
+    verify_checkpoints: bool = True
 
     def __post_init__(self) -> None:
         normalised = {

@@ -17,7 +17,9 @@ last stage's loss by the current scale itself.
 
 from __future__ import annotations
 
+import types
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -25,7 +27,10 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ModelParallelGradScaler", "TP3DPrecision", "check_supported_precision", "current_loss_scale"]
+from lightning_tp3d.parallel.grad_norm import clip_grad_value_
+
+__all__ = ["ModelParallelGradScaler", "TP3DPrecision", "check_supported_precision", "current_loss_scale",
+           "route_gradient_clipping"]
 
 
 def current_loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | float:
@@ -37,9 +42,14 @@ def current_loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | fl
     return scale if scale is not None else scaler.get_scale()
 
 
-def check_supported_precision(precision: str) -> None:
+def check_supported_precision(precision: str, scaler: Any = None, world_size: int = 1) -> None:
     """Refuse the precisions no parity test covers: `16-true` (fp16 weights and optimizer state with no
-    loss scaling, whose small gradients underflow)."""
+    loss scaling, whose small gradients underflow), and a loss scaler that checks each rank alone."""
+    if scaler is not None and not isinstance(scaler, ModelParallelGradScaler) and world_size > 1:
+        raise ValueError(
+            f"The precision plugin's {type(scaler).__name__} checks for inf/nan on each rank alone, so ranks would"
+            " disagree on skipping a step; use plugins=[TP3DPrecision('16-mixed')] (lightning_tp3d.TP3DPrecision)."
+        )
     if precision == "16-true":
         raise ValueError(
             "precision='16-true' (fp16 weights, no loss scaling) is not supported by lightning_tp3d: small"
@@ -108,3 +118,25 @@ class TP3DPrecision(MixedPrecision):
         self.device = device_type
         if isinstance(self.scaler, ModelParallelGradScaler):
             self.scaler._device = device_type  # GradScaler keeps the device type for its own checks
+
+
+def route_gradient_clipping(plugin: Any, core: Any, reduce_gradients: Callable[[], Any]) -> None:
+    """Make Lightning's `gradient_clip_val` and `LightningModule.clip_gradients` clip by the global norm
+    over tp, dp shards and pp (`core`: the strategy's `ParallelCore`).
+
+    Lightning clips through the precision plugin, which sees only local gradients and cannot mix plain
+    tensors with DTensors; its two clipping methods are bound to the core's versions (the optimizer's
+    parameters: in "zero1" mode each dp rank's parts). Under manual optimization the module clips before
+    `optimizer.step()`, so `reduce_gradients()` reduces them over dp first (a no-op once they are).
+    """
+
+    def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float) -> None:
+        reduce_gradients()
+        core.clip_gradients_by_norm(plugin.main_params(optimizer), clip_val)
+
+    def clip_grad_by_value(plugin: Any, optimizer: Any, clip_val: float) -> None:
+        reduce_gradients()
+        clip_grad_value_(plugin.main_params(optimizer), clip_val)
+
+    plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
+    plugin.clip_grad_by_value = types.MethodType(clip_grad_by_value, plugin)

@@ -17,7 +17,6 @@ or by name, `Trainer(strategy="tp3d")`, which is plain data parallelism over all
 from __future__ import annotations
 
 import os
-import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -28,18 +27,23 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
+from lightning_tp3d._compat.lightning import (
+    detects_anomaly,
+    materialize_distributed_module,
+    optimizers_to_device,
+    should_accumulate,
+    update_dataloader,
+)
 from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosition
 from lightning_tp3d.io.checkpoint import PendingSave
 from lightning_tp3d.parallel.paths import resolve_attribute
@@ -47,14 +51,15 @@ from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.core import ParallelCore, model_config
+from lightning_tp3d.strategies.features import adapt_callbacks, check_lightning_features, check_network_is_not_compiled
 from lightning_tp3d.strategies.loss_watch import ResumeLossWatch
 from lightning_tp3d.strategies.non_finite import hold_schedulers_on_skipped_steps, release_schedulers
 from lightning_tp3d.strategies.options import ParallelOptions
 from lightning_tp3d.strategies.precision import (
-    ModelParallelGradScaler,
     TP3DPrecision,
     check_supported_precision,
     current_loss_scale,
+    route_gradient_clipping,
 )
 
 __all__ = ["TP3DStrategy"]
@@ -110,6 +115,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
             update and the step-interval LR schedulers (see `strategies.non_finite`); the total is logged as
             `skipped_steps`. An fp16 loss scaler skips steps itself.
         max_consecutive_skips: skipped steps in a row after which training stops with `NonFiniteStepsError`.
+        verify_checkpoints: check every file of a checkpoint against the SHA-256 recorded when it was written
+            before loading it (each rank hashes a share); False loads a damaged checkpoint unchecked.
 
     Mixed precision: `Trainer(precision="bf16-mixed" | "bf16-true")`, or for fp16 with a loss scaler that
     every rank agrees on, `Trainer(plugins=[TP3DPrecision("16-mixed")])` (see `lightning_tp3d.strategies.precision`).
@@ -144,6 +151,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         preflight: bool = False,
         skip_non_finite_steps: bool = True,
         max_consecutive_skips: int = 5,
+        verify_checkpoints: bool = True,
     ) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
@@ -153,6 +161,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self._async_checkpoint = async_checkpoint
         self._checkpoint_group: torch.distributed.ProcessGroup | None = None
         self._pending_save: PendingSave | None = None
+        self._restore_lightning: list[Callable[[], None]] = []
         self.loss_watch = ResumeLossWatch()
 
     # A network built on the meta device (in `configure_model`) is materialised as this rank's shard in
@@ -189,7 +198,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
             sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
             if self._resume_position is not None:
                 sampler.resume(self._resume_position.epoch, self._resume_position.consumed_in_epoch)
-            dataloader = _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+            dataloader = update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
             # The sampler restores the position itself; Lightning's warning about a non-resumable loader is moot.
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         elif trainer.training and self._resume_position is not None:
@@ -231,6 +240,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
                 f"LightningModule.{self._model_attribute} is {type(network).__name__}, not an nn.Module; build the"
                 " network in `configure_model` or point TP3DStrategy(model_attribute=...) at it."
             )
+        check_network_is_not_compiled(network, self._model_attribute)
         return network
 
     def _loss_scale(self) -> torch.Tensor | float:
@@ -241,13 +251,9 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None and not isinstance(scaler, ModelParallelGradScaler) and self.world_size > 1:
-            raise ValueError(
-                f"The precision plugin's {type(scaler).__name__} checks for inf/nan on each rank alone, so ranks would"
-                " disagree on skipping a step; use plugins=[TP3DPrecision('16-mixed')] (lightning_tp3d.TP3DPrecision)."
-            )
-        check_supported_precision(self.precision_plugin.precision)
+        check_supported_precision(self.precision_plugin.precision, getattr(self.precision_plugin, "scaler", None),
+                                  self.world_size)
+        check_lightning_features(trainer.callbacks, self.data_parallel_mode, self.layout, detects_anomaly(trainer))
         self.accelerator.setup(trainer)
         if isinstance(self.precision_plugin, TP3DPrecision):
             self.precision_plugin.bind_device(self.root_device.type)
@@ -255,7 +261,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         # Once per network: `validate` after `fit` keeps the parallel model and its trained weights.
         first_setup = self.core.parallelize(network, model_config(network, self.lightning_module), self._loss_scale,
                                             self.root_device)
-        _materialize_distributed_module(self.model, self.root_device)
+        materialize_distributed_module(self.model, self.root_device)
         if first_setup:
             self.core.load_pretrained(network)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -266,9 +272,11 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
             self.core.shard_optimizers(self.model, self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
             hold_schedulers_on_skipped_steps(self.lightning_module, self.lr_scheduler_configs, self.step_guard)
-        self._route_gradient_clipping()
+        route_gradient_clipping(self.precision_plugin, self.core, self.reduce_gradients)
+        pp_group = self.core.group("pp") if self.layout.pipeline_parallel_size > 1 else None
+        self._restore_lightning = self._restore_lightning or adapt_callbacks(trainer.callbacks, pp_group)
 
     # ------------------------------------------------------------------ step
     @override
@@ -276,7 +284,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         """Under pipelining the schedule already ran backward inside `training_step`; only the hooks run."""
         if self.core.pipeline is None:
             trainer = self.lightning_module.trainer
-            last = self.lightning_module.automatic_optimization and not trainer.fit_loop._should_accumulate()
+            last = self.lightning_module.automatic_optimization and not should_accumulate(trainer)
             self.core.before_backward(self.lightning_module.parameters(), completes_gradients=last)
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pre_backward(closure_loss)
@@ -296,7 +304,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
 
         def closure_then_all_reduce() -> Any:
             result = closure()
-            parameters = self.core.all_reduce_gradients(self.lightning_module.parameters())
+            parameters = self.reduce_gradients()
             if self._skips_non_finite_step(result, parameters, trainer.global_step, scaler):
                 raise _SkippedStep
             return result
@@ -312,23 +320,11 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
                 self.lightning_module.log("skipped_steps", float(self.step_guard.skipped_steps), on_step=True,
                                           on_epoch=False)
 
-    def _route_gradient_clipping(self) -> None:
-        """Make Lightning's `gradient_clip_val` clip by the global norm over tp, dp shards and pp.
-
-        Lightning clips through the precision plugin, which sees only local gradients and cannot mix plain
-        tensors with DTensors; its two clipping methods are bound to the core's versions (the optimizer's
-        parameters: in "zero1" mode each dp rank's parts).
-        """
-        core = self.core
-
-        def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float) -> None:
-            core.clip_gradients_by_norm(plugin.main_params(optimizer), clip_val)
-
-        def clip_grad_by_value(plugin: Any, optimizer: Any, clip_val: float) -> None:
-            core.clip_gradients_by_value(plugin.main_params(optimizer), clip_val)
-
-        self.precision_plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, self.precision_plugin)
-        self.precision_plugin.clip_grad_by_value = types.MethodType(clip_grad_by_value, self.precision_plugin)
+    def reduce_gradients(self) -> list[nn.Parameter]:
+        """Reduce the module's gradients over dp (once per backward, see `ParallelCore.all_reduce_gradients`);
+        returns the parameters the optimizer updates (in "zero1" mode: each dp rank's parts). Clipping
+        calls it too: under manual optimization the module clips before `optimizer.step()`."""
+        return self.core.all_reduce_gradients(self.lightning_module.parameters())
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -364,6 +360,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self.finish_pending_save()
         if self.lightning_module is not None:
             release_schedulers(self.lightning_module)
+        while self._restore_lightning:
+            self._restore_lightning.pop()()
         super().teardown()
 
     @override
@@ -394,4 +392,4 @@ class _SkippedStep(Exception):
 
 name_stuck_collectives_in(TP3DStrategy, ("training_step", "validation_step", "test_step", "predict_step",
                                          "optimizer_step", "backward", "save_checkpoint", "load_checkpoint",
-                                         "barrier", "broadcast", "reduce"))
+                                         "barrier", "broadcast", "reduce", "all_gather", "reduce_boolean_decision"))

@@ -7,12 +7,21 @@
   losses equal the uninterrupted single-process run within 1e-5 and every step sees the same samples.
 * Crash safety and clear errors: a process killed inside a save leaves the previous checkpoint whole;
   truncated shards, foreign models, unfinished or missing folders are named in the error.
+* Opening a checkpoint never runs its code: a `.metadata` crafted to run a command (with meta.json's hash
+  made to match, as an attacker can) is refused by the Trainer's and Fabric's resume, the offline reader,
+  `tp3d export`, `tp3d check` and `tp3d verify`, naming the class, and the command never runs. One flipped
+  byte in one shard is refused naming the shard and the rank that wrote it; `verify_checkpoints=False`
+  (`--no-verify`) loads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
+import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -26,9 +35,12 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_tp3d import MODEL_PRESETS, ModelConfig, TP3DStrategy
+from lightning_tp3d import MODEL_PRESETS, ModelConfig, TP3DFabricStrategy, TP3DStrategy
+from lightning_tp3d.cli import main as tp3d
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.io.checkpoint import CheckpointError, load_checkpoint, load_model_tensors, read_meta
+from lightning_tp3d.io.checkpoint_format import read_lightning_checkpoint
+from lightning_tp3d.io.folders import MARKER_FILE
 from lightning_tp3d.models import CausalLMModule
 from tests.distributed import run_distributed
 from tests.helpers import (
@@ -67,7 +79,7 @@ class RecordBatches(Callback):
 
 def _fit(tp: int, pp: int, directory: Path, steps: int = STEPS, ckpt_path: Path | None = None,
          config: ModelConfig | None = None, callbacks: list[Callback] | None = None, mode: str = "replicate",
-         async_checkpoint: bool = False, **trainer_options: Any) -> dict:
+         async_checkpoint: bool = False, verify_checkpoints: bool = True, **trainer_options: Any) -> dict:
     """Fit to `steps` (resuming from `ckpt_path`); return losses, recorded batches and whole final weights.
 
     With a `config` (dropout) the run is seeded and warms its learning rate up over 6 steps."""
@@ -76,7 +88,8 @@ def _fit(tp: int, pp: int, directory: Path, steps: int = STEPS, ckpt_path: Path 
     dp = world_size() // (tp * pp)
     logger, recorder = MemoryLogger(), RecordBatches()
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
-                            data_parallel_mode=mode, async_checkpoint=async_checkpoint)
+                            data_parallel_mode=mode, async_checkpoint=async_checkpoint,
+                            verify_checkpoints=verify_checkpoints)
     trainer = L.Trainer(**trainer_kwargs(
         devices=world_size(), strategy=strategy, max_steps=steps, logger=logger, default_root_dir=directory,
         callbacks=[recorder, *(callbacks or [])], enable_checkpointing=bool(callbacks), **trainer_options))
@@ -126,7 +139,55 @@ def run_reshard_resume_world(directory: str) -> dict[str, Any]:
         results = {"1-1-2": _fit(1, 1, directory, ckpt_path=directory / "step4.ckpt"),
                    "2-1-1": _fit(2, 1, directory, ckpt_path=directory / "step4.ckpt")}
     results["warnings"] = [str(warning.message) for warning in caught if "Resharding" in str(warning.message)]
+    results["crafted-trainer"] = _error_of(lambda: _fit(1, 1, directory, ckpt_path=directory / "crafted.ckpt"))
+    results["crafted-fabric"] = _error_of(lambda: _fabric_load(directory / "crafted.ckpt"))
+    results["flipped-trainer"] = _error_of(lambda: _fit(1, 1, directory, ckpt_path=directory / "flipped.ckpt"))
+    results["flipped-unchecked"] = _fit(1, 1, directory, ckpt_path=directory / "flipped.ckpt",
+                                        verify_checkpoints=False)["losses"]
     return results
+
+
+def _error_of(action: Any) -> str | None:
+    try:
+        action()
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def _fabric_load(path: Path) -> None:
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=TP3DFabricStrategy(pipeline_parallel_size=2))
+    fabric.launch()
+    model = fabric.setup(reference_network())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+    fabric.load(path, {"model": model, "optimizer": optimizer})
+
+
+class _RunsCode:
+    """What an attacker's pickle holds: unpickling it runs `touch marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def tampered_copies(checkpoint: Path) -> None:
+    """Beside `checkpoint`: `crafted.ckpt`, whose DCP index runs a command when unpickled (meta.json's hash of
+    it updated, as an attacker who rewrites the folder can), and `flipped.ckpt`, with one byte of its
+    largest shard flipped."""
+    crafted = Path(shutil.copytree(checkpoint, checkpoint.with_name("crafted.ckpt")))
+    payload = pickle.dumps(_RunsCode(checkpoint.with_name("ran")))
+    (crafted / ".metadata").write_bytes(payload)
+    meta = json.loads((crafted / "meta.json").read_text())
+    meta["file_hashes"][".metadata"]["sha256"] = hashlib.sha256(payload).hexdigest()
+    (crafted / "meta.json").write_text(json.dumps(meta))
+    flipped = Path(shutil.copytree(checkpoint, checkpoint.with_name("flipped.ckpt")))
+    shard = max(flipped.glob("*.distcp"), key=lambda file: file.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
 
 
 def crash_during_second_save(directory: str) -> None:
@@ -216,6 +277,7 @@ def exact(tmp_path_factory) -> tuple[dict[str, Any], Path]:
 def resharded(tmp_path_factory) -> tuple[dict[str, dict], Path]:
     directory = tmp_path_factory.mktemp("reshard")
     four = run_distributed(4, "tests.io.test_checkpoint:run_reshard_save_world", str(directory))
+    tampered_copies(directory / "step4.ckpt")
     two = run_distributed(2, "tests.io.test_checkpoint:run_reshard_resume_world", str(directory))
     runs = {name: [rank[name] for rank in four] for name in four[0]}
     runs.update({name: [rank[name] for rank in two] for name in two[0]})
@@ -410,3 +472,55 @@ def test_not_a_checkpoint_is_refused(tmp_path):
     (tmp_path / "folder.ckpt" / "meta.json").write_text('{"format": "lightning_tp3d", "layout": ')
     with pytest.raises(CheckpointError, match=r"meta.json is not valid JSON"):
         read_meta(tmp_path / "folder.ckpt")
+
+
+# ---------------------------------------------------------------------- code in a checkpoint, damaged files
+CRAFTED = r"\.metadata names (posix|nt)\.system, which DCP metadata is not made of: the folder is not a checkpoint"
+
+
+def test_resume_never_runs_a_crafted_index_and_refuses_a_flipped_byte(resharded):
+    runs, path = resharded
+    for rank in runs["crafted-trainer"] + runs["crafted-fabric"]:
+        assert rank is not None and re.search(CRAFTED, rank), rank
+    for rank in runs["flipped-trainer"]:
+        assert rank is not None and re.search(r"flipped.ckpt is damaged: .*__\d_0.distcp \(written by rank \d\) does"
+                                              r" not match the SHA-256 recorded when it was saved", rank), rank
+    assert all(len(rank) == STEPS - SAVED_AT for rank in runs["flipped-unchecked"])
+    assert not path.with_name("ran").exists()
+
+
+def test_offline_readers_and_commands_never_run_a_crafted_index(resharded, tmp_path, capsys):
+    _, path = resharded
+    crafted, marker = path.with_name("crafted.ckpt"), path.with_name("ran")
+    for read in (load_model_tensors, read_lightning_checkpoint):
+        with pytest.raises(CheckpointError, match=CRAFTED):
+            read(crafted)
+    assert tp3d(["export", str(path), str(tmp_path / "hf")]) == 0
+    for command in (["export", str(crafted), str(tmp_path / "other")], ["verify", str(crafted)],
+                    ["check", str(tmp_path / "hf"), "--checkpoint", str(crafted)]):
+        assert tp3d(command) == 2, command
+        assert re.search(CRAFTED, capsys.readouterr().err), command
+    assert not marker.exists() and not (tmp_path / "other").exists()
+    # Replaced without its recorded hash: refused before the index is read at all.
+    swapped = Path(shutil.copytree(path, tmp_path / "swapped.ckpt"))
+    (swapped / ".metadata").write_bytes((crafted / ".metadata").read_bytes())
+    with pytest.raises(CheckpointError, match=r"swapped.ckpt is damaged: .*\.metadata \(written by rank 0\) does not"):
+        load_model_tensors(swapped)
+    assert not marker.exists()
+
+
+def test_a_flipped_byte_is_named_and_the_check_can_be_skipped(resharded, tmp_path, capsys):
+    _, path = resharded
+    flipped = path.with_name("flipped.ckpt")
+    with pytest.raises(CheckpointError, match=r"flipped.ckpt is damaged: .*distcp \(written by rank \d\) does not"):
+        load_model_tensors(flipped)
+    assert tp3d(["verify", str(flipped)]) == 2 and "does not match the SHA-256" in capsys.readouterr().err
+    assert tp3d(["verify", str(path)]) == 0
+    assert f"{len(read_meta(path).file_hashes)} files match their recorded SHA-256" in capsys.readouterr().out
+    assert tp3d(["export", str(flipped), str(tmp_path / "hf"), "--no-verify"]) == 0
+    # Every file of a checkpoint is recorded, with the rank that wrote it (2 x 2 x 1 = 4 ranks).
+    recorded = read_meta(path).file_hashes
+    assert {entry["rank"] for entry in recorded.values()} == {0, 1, 2, 3}
+    assert {".metadata", "trainer_state.pt", "rng/rank_00003.pt"} <= recorded.keys()
+    unrecorded = {file.relative_to(path).as_posix() for file in path.rglob("*") if file.is_file()} - recorded.keys()
+    assert unrecorded == {"meta.json", MARKER_FILE}  # meta.json holds the hashes; the marker only a folder kind

@@ -7,6 +7,7 @@ hold equally many target tokens (always, without ignored labels).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -192,11 +193,15 @@ class PipelineRunner:
                 f"the batch of {batch} samples cannot be split into num_microbatches={self.num_microbatches}"
                 f" equal micro-batches; use a per-rank batch size that is a multiple of {self.num_microbatches}."
             )
+        first_step = tuple(input_ids.shape) not in self._schedules
         schedule = self._schedule(input_ids.shape)
         args = (input_ids,) if self.has_first_stage else ()
         losses: list[torch.Tensor] = []
         self.timing.start_step()
-        schedule.step(*args, target=labels if self.has_last_stage else None, losses=losses)
+        # A schedule's first step infers the stages' shapes by a backward through uninitialised tensors (torch
+        # 2.13), which anomaly detection (`Trainer(detect_anomaly=True)`) takes for a NaN on the last stage only.
+        with torch.autograd.set_detect_anomaly(False) if first_step else contextlib.nullcontext():
+            schedule.step(*args, target=labels if self.has_last_stage else None, losses=losses)
         self.timing.stop_step()
         loss = None
         if self.has_last_stage:

@@ -1,0 +1,104 @@
+"""Lightning's private names used by the package (read from Lightning 2.6.6), and the two places where
+Lightning has no hook, so the package replaces one of its functions (each with its reason).
+
+* `ModelSummary` (and `RichModelSummary`) compute their table in the private `_summary(trainer,
+  pl_module)` on every rank; under pipelining a rank holds one stage, so the strategy gives the callback a
+  summary of the whole model (`use_model_summary`).
+* `LightningModule.load_from_checkpoint(path)` reads `path` with `lightning.pytorch.core.saving.pl_load`,
+  which opens a single file; `read_checkpoint_folders_with` lets it read a checkpoint folder too.
+* `BaseFinetuning.filter_on_optimizer` compares parameters with `torch.equal`, which refuses a plain
+  tensor against a DTensor; `compare_finetuning_parameters_with` gives it a comparison that takes both.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch.core.saving as _saving
+from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl as ParallelBackwardSyncControl
+from lightning.fabric.utilities.init import _materialize_distributed_module as materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
+
+__all__ = [
+    "LIGHTNING_VERSION",
+    "ParallelBackwardSyncControl",
+    "compare_finetuning_parameters_with",
+    "detects_anomaly",
+    "materialize_distributed_module",
+    "optimizers_to_device",
+    "read_checkpoint_folders_with",
+    "should_accumulate",
+    "update_dataloader",
+    "use_model_summary",
+]
+
+LIGHTNING_VERSION = version("lightning")
+
+
+def detects_anomaly(trainer: Any) -> bool:
+    """`Trainer(detect_anomaly=...)` (Lightning turns torch's anomaly mode on only around the loop)."""
+    return bool(trainer._detect_anomaly)
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """Whether the coming backward accumulates (no optimizer step follows it)."""
+    return trainer.fit_loop._should_accumulate()
+
+
+def use_model_summary(callback: Any, summarize: Callable[[Any, int], Any]) -> None:
+    """Make a `ModelSummary` callback build its table with `summarize(pl_module, max_depth)`."""
+
+    def _summary(self: Any, trainer: Any, pl_module: Any) -> Any:
+        return summarize(pl_module, self._max_depth)
+
+    callback._summary = types.MethodType(_summary, callback)
+
+
+def read_checkpoint_folders_with(is_folder: Callable[[Path], bool], read_folder: Callable[[Path], dict]) -> None:
+    """`load_from_checkpoint(path)` reads `path` with `read_folder` when `is_folder(path)`, else as before."""
+    original = getattr(_saving.pl_load, "__wrapped__", _saving.pl_load)
+
+    def pl_load(path_or_url: Any, map_location: Any = None, **kwargs: Any) -> Any:
+        if isinstance(path_or_url, (str, Path)) and is_folder(Path(path_or_url)):
+            return read_folder(Path(path_or_url))
+        return original(path_or_url, map_location, **kwargs)
+
+    pl_load.__wrapped__ = original
+    _saving.pl_load = pl_load
+
+
+def compare_finetuning_parameters_with(equal: Callable[[Any, Any], bool]) -> Callable[[], None]:
+    """Make `BaseFinetuning.filter_on_optimizer` (a static method Lightning calls through the class, so no
+    instance can override it) test "this parameter is already in the optimizer" with `equal` in place of
+    `torch.equal`, which fails on a mix of plain tensors and DTensors; returns what restores Lightning's.
+    The body is Lightning's 2.6.6 one, warning included."""
+    from lightning.pytorch.callbacks.finetuning import BaseFinetuning
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    original = BaseFinetuning.__dict__["filter_on_optimizer"]
+
+    def filter_on_optimizer(optimizer: Any, params: Any) -> list:
+        held = [held for group in optimizer.param_groups for held in group["params"]]
+        out_params, removed_params = [], []
+        for param in params:
+            (removed_params if any(equal(other, param) for other in held) else out_params).append(param)
+        if removed_params:
+            rank_zero_warn(
+                "The provided params to be frozen already exist within another group of this optimizer."
+                " Those parameters will be skipped.\n"
+                "HINT: Did you init your optimizer in `configure_optimizer` as such:\n"
+                f" {type(optimizer)}(filter(lambda p: p.requires_grad, self.parameters()), ...) ",
+            )
+        return out_params
+
+    BaseFinetuning.filter_on_optimizer = staticmethod(filter_on_optimizer)
+
+    def restore() -> None:
+        BaseFinetuning.filter_on_optimizer = original
+
+    return restore
