@@ -13,8 +13,9 @@ tp = 2; then, in the same session:
 * the cost of the hashes: each round also saves with a plain DCP writer (no hashes) and loads with
   `verify_checkpoints=False`, back to back with the hashed ones in alternating order; the ratio is the
   median of the per-round paired ratios (unhashed seconds / hashed seconds = hashed throughput / unhashed);
-* export, in one process: `export_checkpoint` to one fp32 safetensors file (fsynced) against two
-  baselines writing the same bytes: the raw disk (pre-made bytes in 64 MB writes, then fsync) and
+* export, in one process: `export_checkpoint` to one fp32 safetensors file (fsynced), with the files it
+  reads checked against their hashes and without (`verify=False`), against two baselines writing the same
+  bytes: the raw disk (pre-made bytes in 64 MB writes, then fsync) and
   `safetensors.torch.save_file` of the merged tensors already in memory (then fsync).
 
 Save and load alternate over the rounds; export and its baselines take turns, in an order rotated each
@@ -142,11 +143,14 @@ def _export_rounds(checkpoint: Path, folder: Path, rounds: int) -> dict[str, Any
         "raw disk write": (lambda: _raw_write(raw, export_bytes, chunk), raw.unlink),
         "safetensors save_file": (lambda: (save_file(tensors, str(merged)), _fsync(merged)), merged.unlink),
         "export_checkpoint": (lambda: export_checkpoint(checkpoint, output), lambda: shutil.rmtree(output)),
+        "export_checkpoint unchecked": (lambda: export_checkpoint(checkpoint, output, verify=False),
+                                        lambda: shutil.rmtree(output)),
     }
     names = list(writers)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(rounds):
-        for name in names[round_index % 3:] + names[: round_index % 3]:
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
             write, remove = writers[name]
             seconds[name].append(_timed(write))
             remove()
@@ -193,6 +197,10 @@ def main() -> None:
                                                                  export["export_checkpoint"]["rounds"])]
     results["export / fastest baseline"] = {"baseline": fastest, "median_ratio": statistics.median(paired),
                                             "rounds": paired}
+    # The files' hashes: an export reads (and checks) every shard holding model tensors, optimizer state too.
+    paired = [unchecked / checked for unchecked, checked in zip(export["export_checkpoint unchecked"]["rounds"],
+                                                                 export["export_checkpoint"]["rounds"])]
+    results["export checked / export unchecked"] = {"median_ratio": statistics.median(paired), "rounds": paired}
     print(f"{MACHINE}; {config.num_parameters() / 1e6:.0f}M parameters")
     print(f"checkpoint save  {timer.checkpoint_bytes / gigabyte:5.2f} GB  {save:6.2f} s"
           f"  {results['save']['bytes_per_second'] / gigabyte:5.2f} GB/s")
@@ -200,11 +208,13 @@ def main() -> None:
           f"  {results['load']['bytes_per_second'] / gigabyte:5.2f} GB/s")
     for name in ("save hashed / save unhashed", "load hashed / load unchecked"):
         print(f"{name}: throughput ratio {results[name]['median_ratio']:.3f} (median of paired rounds)")
-    for name in ("raw disk write", "safetensors save_file", "export_checkpoint"):
+    for name in ("raw disk write", "safetensors save_file", "export_checkpoint", "export_checkpoint unchecked"):
         print(f"{name:22s} {export['bytes'] / gigabyte:5.2f} GB  {export[name]['median_seconds']:6.2f} s"
               f"  {export[name]['bytes_per_second'] / gigabyte:5.2f} GB/s")
     ratio = results["export / fastest baseline"]
     print(f"export / {ratio['baseline']} (fastest baseline), median of paired rounds: {ratio['median_ratio']:.2f}")
+    checked = results["export checked / export unchecked"]["median_ratio"]
+    print(f"export checked / unchecked: throughput ratio {checked:.3f} (median of paired rounds)")
     Path(args.output).write_text(json.dumps(results, indent=2))
     if args.folder is None:
         shutil.rmtree(folder)

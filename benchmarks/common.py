@@ -3,7 +3,10 @@ step recorder."""
 
 from __future__ import annotations
 
+import os
+import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -18,7 +21,21 @@ __all__ = ["CONFIG", "MACHINE", "StepRecorder", "benchmark_trainer"]
 CONFIG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
 
-MACHINE = "2 vCPUs (Intel Xeon), no GPU, torch 2.13.0+cpu, gloo, Lightning 2.6.6"
+
+
+def _machine() -> str:
+    """This machine as the JSON records it: cores and CPU model (read, not assumed: Intel and AMD machines
+    round differently), the GPU if any, and the versions."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    cpu = names[0] if names else platform.processor() or platform.machine()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return f"{os.cpu_count()} vCPUs ({cpu}), {gpu}, torch {torch.__version__}, {backend}, Lightning {L.__version__}"
+
+
+MACHINE = _machine()
 
 
 def benchmark_trainer(devices: int, strategy: Any, max_steps: int, callbacks: list[Any], accelerator: str = "cpu",

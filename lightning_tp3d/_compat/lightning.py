@@ -1,4 +1,4 @@
-"""Lightning's private names used by the package (read from Lightning 2.6.6), and the two places where
+"""Lightning's private names used by the package (read from Lightning 2.6.6), and the three places where
 Lightning has no hook, so the package replaces one of its functions (each with its reason).
 
 * `ModelSummary` (and `RichModelSummary`) compute their table in the private `_summary(trainer,

@@ -31,8 +31,10 @@ Example usage::
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from importlib.metadata import version
@@ -237,18 +239,21 @@ def damaged_files(folder: Path, meta: CheckpointMeta, names: Iterable[str] | Non
     """What is wrong with the recorded files among `names` (default: all of them): each missing file, and
     each whose SHA-256 is not the one recorded when it was written; empty when all are whole."""
     recorded = meta.file_hashes or {}
-    problems = []
-    for name in sorted(recorded if names is None else set(names) & set(recorded)):
-        expected, rank = recorded[name]["sha256"], recorded[name]["rank"]
-        file = folder / name
+    selected = sorted(recorded if names is None else set(names) & set(recorded))
+
+    def problem(name: str) -> str | None:
+        expected, rank, file = recorded[name]["sha256"], recorded[name]["rank"], folder / name
         if not file.is_file():
-            problems.append(f"{file} (written by rank {rank}) is missing")
-            continue
+            return f"{file} (written by rank {rank}) is missing"
         found = file_sha256(file)
         if found != expected:
-            problems.append(f"{file} (written by rank {rank}) does not match the SHA-256 recorded when it was saved"
-                            f" ({expected[:16]}... recorded, {found[:16]}... on disk)")
-    return problems
+            return (f"{file} (written by rank {rank}) does not match the SHA-256 recorded when it was saved"
+                    f" ({expected[:16]}... recorded, {found[:16]}... on disk)")
+        return None
+
+    # hashlib releases the GIL on large buffers: the files are hashed on every core at once.
+    with ThreadPoolExecutor(max_workers=min(len(selected), os.cpu_count() or 1) or 1) as pool:
+        return [found for found in pool.map(problem, selected) if found is not None]
 
 
 def raise_damaged(folder: Path, problems: list[str]) -> None:
