@@ -22,7 +22,9 @@ STEPS = 3
 OVERRIDES = ["--trainer.max_steps", str(STEPS), "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches",
              "0", "--data.init_args.seq_len", str(SEQ_LEN), "--data.init_args.batch_size", "4",
              "--data.init_args.val_fraction", "0.2", "--data.init_args.source", "tiny",
-             "--model.init_args.learning_rate", str(LEARNING_RATE)]
+             "--model.init_args.learning_rate", str(LEARNING_RATE),
+             # Lightning's default logger is TensorBoard's when tensorboard(X) is installed; read the CSV one.
+             "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", "."]
 
 
 def _fit(config: str, directory: Path) -> list[float]:
