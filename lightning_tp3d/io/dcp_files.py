@@ -2,7 +2,7 @@
 
 A checkpoint is a file an attacker may have written. torch's DCP keeps its index, `.metadata`, as a
 plain pickle (`FileSystemReader.read_metadata` calls `pickle.load`, torch 2.13) and reads every
-non-tensor value with `torch.load(weights_only=False)` (`DefaultLoadPlanner.load_bytes`), so opening a
+non-tensor value by `torch.load` with `weights_only=False` (`DefaultLoadPlanner.load_bytes`), so opening a
 crafted folder with DCP's own reader runs code. Here:
 
 * `read_dcp_index` unpickles `.metadata` with an unpickler that builds only what DCP metadata is made
@@ -102,7 +102,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         if values:
             raise UnsafeCheckpointError(
                 f"Loading {values[0]!r} from {self.path} would unpickle a non-tensor value (DCP reads those with"
-                " torch.load(weights_only=False)); lightning_tp3d loads only tensors from DCP shards."
+                " torch.load with weights_only=False); lightning_tp3d loads only tensors from DCP shards."
             )
         return super().read_data(plan, planner)
 

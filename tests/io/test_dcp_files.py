@@ -45,7 +45,7 @@ def test_a_folder_written_by_torch_dcp_opens(tmp_path):
 
 
 def test_a_non_tensor_value_is_not_unpickled(tmp_path):
-    """DCP reads non-tensor values with torch.load(weights_only=False): the safe reader refuses to (DCP
+    """DCP reads non-tensor values by torch.load with weights_only=False: the safe reader refuses to (DCP
     hands the error on inside its CheckpointException)."""
     _plain_dcp_folder(tmp_path)
     with pytest.raises(CheckpointException, match=r"UnsafeCheckpointError: Loading 'step' from .* would unpickle"):
