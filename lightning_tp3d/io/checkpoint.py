@@ -282,16 +282,17 @@ def load_checkpoint(
 
 
 def _verify_in_shares(folder: Path, meta: CheckpointMeta) -> None:
-    """Each rank hashes its share of the recorded files (the i-th on rank i mod world); the problems are
-    gathered, so that every rank refuses a damaged checkpoint together, naming the files."""
-    if meta.file_hashes is None or not dist.is_initialized():
-        verify_files(folder, meta)
+    """Each rank hashes its share of the recorded files but the index, checked before (the i-th on rank i
+    mod world); the problems are gathered, so that every rank refuses a damaged checkpoint together."""
+    if meta.file_hashes is None:  # an earlier checkpoint: the index check already warned
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
-    problems = damaged_files(folder, meta, sorted(meta.file_hashes)[rank::world])
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, problems)
-    raise_damaged(folder, [problem for share in gathered for problem in share])
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = damaged_files(folder, meta, sorted(set(meta.file_hashes) - {DCP_INDEX_FILE})[rank::world])
+    if world > 1:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, problems)
+        problems = [problem for share in gathered for problem in share]
+    raise_damaged(folder, problems)
 
 
 def load_rng_state(path: str | Path, rank: int) -> dict[str, Any]:

@@ -280,9 +280,11 @@ def verify_files(folder: Path, meta: CheckpointMeta, names: Iterable[str] | None
 class ModelTensorReader:
     """Whole model tensors of a checkpoint, merged from every shard, in this process alone.
 
-    The checkpoint is checked and its DCP index read once (meta.json, index, shard files and, unless
-    `verify=False`, their recorded hashes); `load` then reads only the requested tensors, so a caller asking
-    for one name at a time streams the model (export does) without paying for the index on every call.
+    The checkpoint is checked and its DCP index read once (meta.json, the index's recorded hash unless
+    `verify=False`, shard files); `load` then reads only the requested tensors, so a caller asking for one
+    name at a time streams the model (export does) without paying for the index on every call. The shards
+    holding model tensors are checked against their hashes before the first tensor is read (not for the
+    shapes alone).
     """
 
     def __init__(self, path: str | Path, verify: bool = True) -> None:
@@ -298,16 +300,18 @@ class ModelTensorReader:
             key.removeprefix(prefix): (entry.size, entry.properties.dtype)
             for key, entry in metadata.state_dict_metadata.items()
             if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
-        if verify and self.meta.file_hashes is not None:
-            model_files = {info.relative_path for index, info in (metadata.storage_data or {}).items()
-                           if index.fqn.startswith(prefix)}
-            raise_damaged(self.path, damaged_files(self.path, self.meta, model_files))
+        self._shards_checked = not verify
 
     def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         names = list(self.shapes) if names is None else list(names)
         unknown = [name for name in names if name not in self.shapes]
         if unknown:
             raise CheckpointError(f"Checkpoint {self.path} has no model tensor {unknown[0]!r}.")
+        if not self._shards_checked:
+            model_files = {info.relative_path for index, info in (self._metadata.storage_data or {}).items()
+                           if index.fqn.startswith(MODEL_GROUP + ".")}
+            raise_damaged(self.path, damaged_files(self.path, self.meta, model_files))
+            self._shards_checked = True
         tensors = {f"{MODEL_GROUP}.{name}": torch.empty(self.shapes[name][0], dtype=self.shapes[name][1])
                    for name in names}
         with dcp_single_process_notice_silenced():
