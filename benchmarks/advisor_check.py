@@ -47,10 +47,7 @@ PRECISION = "32-true"
 
 
 def _options(candidate: LayoutCandidate) -> TrainingOptions:
-    mode = candidate.data_parallel_mode.removesuffix("-reshard")
-    reshard = candidate.data_parallel_mode.endswith("-reshard")
-    return TrainingOptions(seq_len=SEQ_LEN, precision=PRECISION, data_parallel_mode=mode,
-                           fsdp_reshard_after_forward=True if reshard else None, recompute=candidate.recompute)
+    return candidate.options(SEQ_LEN, PRECISION)
 
 
 def _layout(candidate: LayoutCandidate) -> ParallelLayout:
@@ -129,7 +126,7 @@ def main() -> None:
     candidates.sort(key=lambda candidate: (  # the calibration layout, (1, 1, d) replicate without recompute, first
         (candidate.data_parallel_size, candidate.data_parallel_mode, candidate.recompute) != (args.gpus, "replicate",
                                                                                               "none"),
-        candidate.tensor_parallel_size, candidate.pipeline_parallel_size, candidate.data_parallel_mode,
+        candidate.tensor_parallel_size, candidate.pipeline_parallel_size, candidate.data_parallel_label,
         candidate.recompute))
     measured = [_measure(candidate, args.gpus, args.steps) for candidate in candidates]
     if torch.distributed.get_rank() != 0:

@@ -28,7 +28,8 @@ from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.callbacks.monitor import local_storage_bytes
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
-from lightning_tp3d.plan.ledger import DATA_PARALLEL_MODES, TrainingOptions, training_ledger
+from lightning_tp3d.plan.data_parallel import DATA_PARALLEL_MODES
+from lightning_tp3d.plan.ledger import TrainingOptions, training_ledger
 
 from common import CONFIG, MACHINE, benchmark_trainer
 

@@ -6,7 +6,6 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_tp3d._compat.lightning import read_checkpoint_folders_with
-from lightning_tp3d._moved import install_moved_module_finder
 from lightning_tp3d.io.checkpoint_format import is_checkpoint_folder, read_lightning_checkpoint
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout, RankCoordinates
@@ -28,7 +27,6 @@ __all__ = [
     "resolve_model_config",
 ]
 
-install_moved_module_finder()
 # `LightningModule.load_from_checkpoint(folder)` reads a checkpoint folder as Lightning's one-file checkpoint.
 read_checkpoint_folders_with(is_checkpoint_folder, read_lightning_checkpoint)
 

@@ -19,9 +19,9 @@ from dataclasses import asdict
 from lightning_tp3d.plan.advisor import Cluster, advise
 from lightning_tp3d.plan.communication import GROUPS, CommunicationLedger, communication_ledger, group_bandwidths
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
+from lightning_tp3d.plan.data_parallel import DATA_PARALLEL_MODES
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import (
-    DATA_PARALLEL_MODES,
     PRECISIONS,
     TrainingOptions,
     serving_ledger,
@@ -175,7 +175,7 @@ def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
     for index, candidate in enumerate(fitting[: args.top], 1):
         exposed = candidate.exposed_seconds
         print(f"{index:>2} {candidate.tensor_parallel_size:>3} {candidate.pipeline_parallel_size:>3}"
-              f" {candidate.data_parallel_size:>3} {candidate.data_parallel_mode:>12} {candidate.recompute:>9}"
+              f" {candidate.data_parallel_size:>3} {candidate.data_parallel_label:>12} {candidate.recompute:>9}"
               f" {candidate.num_microbatches:>4} {candidate.gradient_accumulation_steps:>4}"
               f" {candidate.peak_bytes / _GIB:>6.1f} {candidate.compute_seconds:>8.3f} {candidate.bubble_seconds:>7.3f}"
               f" {exposed['tp']:>6.3f} {exposed['pp']:>6.3f} {exposed['dp']:>6.3f} {candidate.step_seconds:>7.3f}"

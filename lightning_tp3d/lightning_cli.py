@@ -34,10 +34,11 @@ class TP3DLightningCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(TP3DStrategy, "tp3d")
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
-        if config.get("strategy") == TP3DStrategy.strategy_name:
-            config = {**config, "strategy": self._get(self.config_init, "tp3d")}
-        return super()._instantiate_trainer(config, callbacks)
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        config = self.config_init.get(str(self.subcommand), self.config_init)
+        if config.get("trainer", {}).get("strategy") == TP3DStrategy.strategy_name and "strategy" not in kwargs:
+            kwargs["strategy"] = config.get("tp3d")
+        return super().instantiate_trainer(**kwargs)
 
 
 def run_lightning_cli(args: Sequence[str]) -> int:

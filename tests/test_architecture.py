@@ -1,17 +1,17 @@
-"""The package's layers: what each folder may import, module sizes, one set of strategy options, old paths."""
+"""The package's layers: what each folder may import, module sizes, one set of strategy options, one import path
+per name, private names of the libraries only in `_compat`, the data-parallel mode decided in one place."""
 
 import ast
 import dataclasses
-import importlib
 import inspect
-import sys
 from pathlib import Path
 
 import pytest
 
 import lightning_tp3d
 from lightning_tp3d import TP3DFabricStrategy, TP3DStrategy
-from lightning_tp3d._moved import MOVED_MODULES
+from lightning_tp3d.plan.data_parallel import DATA_PARALLEL_MODES
+from lightning_tp3d.strategies.core import ParallelCore
 from lightning_tp3d.strategies.options import ParallelOptions
 
 PACKAGE = Path(lightning_tp3d.__file__).parent
@@ -85,11 +85,124 @@ def test_options_are_handed_over_whole_and_normalised() -> None:
         options.recompute = "none"
 
 
-@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
-def test_old_module_paths_import_the_moved_module_with_a_warning(old: str) -> None:
-    new = importlib.import_module(MOVED_MODULES[old])
-    sys.modules.pop(old, None)
-    with pytest.warns(FutureWarning, match=f"{old} moved to {MOVED_MODULES[old]}"):
-        module = importlib.import_module(old)
-    assert module is new and module.__spec__.name == MOVED_MODULES[old]
-    assert all(hasattr(module, name) for name in new.__all__)
+MAX_CORE_LINES = 300  # `ParallelCore`: the wiring of layout, mesh, parallelize, the step and checkpoints
+LIBRARIES = ("torch", "lightning", "transformers", "peft", "torchao")
+# Subclasses of a library class that read the state its private hooks keep, named with the reason.
+SUBCLASSES_OF_PRIVATE_STATE = {
+    "callbacks/monitor.py": "TP3DThroughputMonitor overrides ThroughputMonitor's `_update` / `_compute` and reads"
+                            " the windows they keep (`_throughputs`, `_t0s`, `_lengths`, `_samples`, `_batches`)",
+}
+
+
+def _modules(root: Path) -> dict[Path, ast.Module]:
+    return {file: ast.parse(file.read_text()) for file in sorted(root.rglob("*.py"))}
+
+
+def _own_private_names(trees: dict[Path, ast.Module]) -> set[str]:
+    """Every `_name` the package defines: functions, classes, attributes and variables it assigns."""
+    names = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                names.add(str(node.slice.value))  # `self.__dict__["_name"] = ...`
+    return names
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_private_names_of_the_libraries_are_used_only_in_compat() -> None:
+    trees = _modules(PACKAGE)
+    own = _own_private_names(trees)
+    found = []
+    for file, tree in trees.items():
+        relative = file.relative_to(PACKAGE).as_posix()
+        if relative.startswith("_compat/"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in LIBRARIES:
+                private = [part for part in node.module.split(".") if _is_private(part)]
+                private += [alias.name for alias in node.names if _is_private(alias.name)]
+                found += [f"{relative}:{node.lineno} from {node.module} import {name}" for name in private]
+            elif isinstance(node, ast.Import):
+                found += [f"{relative}:{node.lineno} import {alias.name}" for alias in node.names
+                          if alias.name.split(".")[0] in LIBRARIES and any(map(_is_private, alias.name.split(".")))]
+            elif isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in own:
+                if relative in SUBCLASSES_OF_PRIVATE_STATE or ast.unparse(node.value) == "argparse":
+                    continue  # stdlib's argparse types its sub-parsers with a private class
+                found.append(f"{relative}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "private names of torch / Lightning outside lightning_tp3d._compat:\n" + "\n".join(found)
+
+
+def test_no_data_parallel_mode_is_compared_outside_its_chooser() -> None:
+    """`plan.data_parallel.choose_data_parallel` turns the mode into a plan; everything else reads the plan."""
+    for file, tree in _modules(PACKAGE).items():
+        if file == PACKAGE / "plan" / "data_parallel.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                constants = [operand.value for operand in [node.left, *node.comparators]
+                             if isinstance(operand, ast.Constant)]
+                compared = [value for value in constants if value in DATA_PARALLEL_MODES]
+                assert not compared, f"{file.relative_to(PACKAGE)}:{node.lineno} compares with {compared}"
+
+
+def test_parallel_core_is_the_wiring_only() -> None:
+    source, _ = inspect.getsourcelines(ParallelCore)
+    assert len(source) <= MAX_CORE_LINES, f"ParallelCore has {len(source)} lines (at most {MAX_CORE_LINES})"
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+    return names
+
+
+def _module_file(module: str) -> Path:
+    path = PACKAGE.parent.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
+    """One import path per name: a module's `__all__` lists what it defines; a package's `__init__` may
+    gather names of its own modules (and the top-level package the public API); `_compat` gives the
+    libraries' private names public ones. Checked for every import of the package, its tests, benchmarks
+    and examples."""
+    for file, tree in _modules(PACKAGE).items():
+        exported = next((ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                         and any(getattr(target, "id", None) == "__all__" for target in node.targets)), [])
+        package = ".".join(file.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        imported = {alias.asname or alias.name: node.module for node in tree.body
+                    if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+        for name in exported:
+            source = imported.get(name)
+            if source is None or "._compat" in package or package == "lightning_tp3d":
+                continue
+            assert file.name == "__init__.py" and source.startswith(package + "."), (
+                f"{package} re-exports {name} from {source}")
+    for root in (PACKAGE, PACKAGE.parent / "tests", PACKAGE.parent / "benchmarks", PACKAGE.parent / "examples"):
+        for file, tree in _modules(root).items():
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_tp3d")):
+                    continue
+                target = _module_file(node.module)
+                if target.name == "__init__.py" or "_compat" in target.parts:
+                    continue
+                defined = _top_level_names(ast.parse(target.read_text()))
+                for alias in node.names:
+                    assert alias.name in defined or _module_file(f"{node.module}.{alias.name}").exists(), (
+                        f"{file}:{node.lineno} imports {alias.name} from {node.module}, which does not define it")

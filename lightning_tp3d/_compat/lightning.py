@@ -27,12 +27,20 @@ from lightning.pytorch.utilities.data import _update_dataloader as update_datalo
 __all__ = [
     "LIGHTNING_VERSION",
     "ParallelBackwardSyncControl",
+    "attached_trainer",
     "compare_finetuning_parameters_with",
     "detects_anomaly",
+    "log_metrics",
     "materialize_distributed_module",
     "optimizers_to_device",
     "read_checkpoint_folders_with",
+    "set_device_mesh",
+    "setup_process_groups",
     "should_accumulate",
+    "should_update_logs",
+    "summary_flop_counts",
+    "summary_layers",
+    "set_summary_layers",
     "update_dataloader",
     "use_model_summary",
 ]
@@ -48,6 +56,46 @@ def detects_anomaly(trainer: Any) -> bool:
 def should_accumulate(trainer: Any) -> bool:
     """Whether the coming backward accumulates (no optimizer step follows it)."""
     return trainer.fit_loop._should_accumulate()
+
+
+def attached_trainer(module: Any) -> Any | None:
+    """The Trainer `module` is attached to, or None (`LightningModule.trainer` raises when there is none)."""
+    return module._trainer
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """Make `mesh` the module's `device_mesh`, as Lightning's `ModelParallelStrategy.setup_environment` does."""
+    module._device_mesh = mesh
+
+
+def setup_process_groups(strategy: Any) -> None:
+    """The default process group of a `ModelParallelStrategy` (its environment, backend and timeout)."""
+    strategy._setup_distributed()
+
+
+def should_update_logs(trainer: Any) -> bool:
+    """Whether this step logs (`Trainer(log_every_n_steps=...)`), as Lightning's own loggers decide."""
+    return trainer._logger_connector.should_update_logs
+
+
+def log_metrics(trainer: Any, metrics: dict[str, Any], step: int | None) -> None:
+    """Hand `metrics` to the Trainer's loggers at `step`, as `ThroughputMonitor` does."""
+    trainer._logger_connector.log_metrics(metrics, step=step)
+
+
+def summary_layers(summary: Any) -> dict[str, Any]:
+    """A `ModelSummary`'s rows: module name -> its `LayerSummary`."""
+    return summary._layer_summary
+
+
+def set_summary_layers(summary: Any, names: list[str]) -> None:
+    """Give a `ModelSummary` the row names it numbers its table by (the values are not read)."""
+    summary._layer_summary = dict.fromkeys(names)
+
+
+def summary_flop_counts(summary: Any) -> dict[str, dict[Any, int]]:
+    """A `ModelSummary`'s FLOPs per module, keyed as its `total_flops` reads them."""
+    return summary._flop_counter.get_flop_counts()
 
 
 def use_model_summary(callback: Any, summarize: Callable[[Any, int], Any]) -> None:

@@ -1,16 +1,97 @@
-"""torch's private names used by the package (read from torch 2.13)."""
+"""torch's private names used by the package (read from torch 2.13), and the public ones whose name
+changed between the versions the package supports (`torch>=2.6`).
+
+* `flatten_dense_tensors` / `unflatten_dense_tensors` (`torch._utils`): one flat buffer per bucket of
+  gradients, as DDP packs them.
+* `foreach_norm` (`torch._foreach_norm`) and `non_finite_check_and_unscale_`
+  (`torch._amp_foreach_non_finite_check_and_unscale_`): the fused kernels `clip_grad_norm_` and
+  `GradScaler.unscale_` use; no public function takes a list.
+* `loss_scale_tensor` (`GradScaler._get_scale_async`): the scale as a tensor, without the host
+  synchronisation of `get_scale()`.
+* `local_shape_and_global_offset` (`torch.distributed.tensor._utils`): where a DTensor's shard sits in
+  the global tensor.
+* `AsyncCollectiveTensor` (`torch.distributed._functional_collectives`): what a functional collective
+  returns before it is waited for.
+* `process_group_options` (`torch._C._distributed_c10d.Backend.Options`, the NCCL options' `_timeout`):
+  a timeout for every group of a device mesh.
+* `recorded_collectives` (`torch._C._distributed_c10d._dump_*_trace_json`): the flight recorder's
+  entries, NCCL's or the generic one's (gloo).
+"""
 
 from __future__ import annotations
 
+import json
+from datetime import timedelta
 from importlib.metadata import version
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as local_shape_and_global_offset
 
-__all__ = ["TORCH_VERSION", "is_compiled"]
+__all__ = [
+    "TORCH_VERSION",
+    "AsyncCollectiveTensor",
+    "all_gather_single",
+    "flatten_dense_tensors",
+    "foreach_norm",
+    "is_compiled",
+    "local_shape_and_global_offset",
+    "loss_scale_tensor",
+    "non_finite_check_and_unscale_",
+    "process_group_options",
+    "recorded_collectives",
+    "reduce_scatter_single",
+    "unflatten_dense_tensors",
+]
 
 TORCH_VERSION = version("torch")
+
+# torch 2.13 names them `*_single` (the `*_tensor` names warn there); older versions only have those.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+foreach_norm = torch._foreach_norm
+non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 
 def is_compiled(module: nn.Module) -> bool:
     """`torch.compile(module)` (an `OptimizedModule` holding `_orig_mod`) or `module.compile()` (in place)."""
     return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def loss_scale_tensor(scaler: Any) -> torch.Tensor | None:
+    """`scaler`'s current scale on its device (None before its first `scale`)."""
+    return scaler._get_scale_async()
+
+
+def process_group_options(backend: str, timeout: timedelta) -> Any:
+    """The options object `init_device_mesh(backend_override=...)` takes for `backend`, with `timeout`."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    from torch._C._distributed_c10d import Backend
+
+    return Backend.Options(backend, timeout)
+
+
+def recorded_collectives() -> list[dict[str, Any]]:
+    """The flight recorder's entries: NCCL's (GPU groups) where it holds any, else the generic one's (gloo);
+    empty where recording is off or not built in."""
+    import torch._C._distributed_c10d as c10d
+
+    for dump_name in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
+        dump = getattr(c10d, dump_name, None)
+        if dump is None:
+            continue
+        try:
+            entries = json.loads(dump(True, True)).get("entries", [])
+        except Exception:  # noqa: BLE001 - that recorder is not built in or holds nothing
+            continue
+        if entries:
+            return entries
+    return []

@@ -24,10 +24,12 @@ from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.tensor import DTensor
 
+from lightning_tp3d._compat.lightning import log_metrics, should_update_logs
+from lightning_tp3d._compat.torch import loss_scale_tensor
 from lightning_tp3d.parallel.grad_norm import global_grad_norm
 from lightning_tp3d.parallel.mesh import mesh_device
+from lightning_tp3d.parallel.tensor import local_part
 from lightning_tp3d.plan.ledger import training_flops_per_token
 from lightning_tp3d.plan.schedules import bubble_fraction
 
@@ -44,7 +46,7 @@ def local_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for tensor in tensors:
         if tensor is None:
             continue
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        local = local_part(tensor.detach())
         storage = local.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
@@ -106,7 +108,7 @@ class TP3DThroughputMonitor(ThroughputMonitor):
                                         lengths=self._lengths[stage], flops=rank_flops)
 
     def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
-        if not trainer._logger_connector.should_update_logs:
+        if not should_update_logs(trainer):
             return
         stage = trainer.state.stage
         throughput = self._throughputs[stage]
@@ -123,7 +125,7 @@ class TP3DThroughputMonitor(ThroughputMonitor):
         if mfu is not None and self.mfu_target and mfu < self.mfu_target and self.mfu_warning is None:
             self._warn_low_mfu(trainer, mfu)
         metrics = {f"{stage.value}{separator}{key}": value for key, value in metrics.items()}
-        trainer._logger_connector.log_metrics(metrics, step=iter_num)
+        log_metrics(trainer, metrics, iter_num)
 
     def _warn_low_mfu(self, trainer: L.Trainer, mfu: float) -> None:
         layout, options = trainer.strategy.layout, trainer.strategy.core.options
@@ -156,7 +158,7 @@ class TP3DThroughputMonitor(ThroughputMonitor):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             # the scale tensor, not `get_scale()`: no host synchronisation in the step
-            pl_module.log("train/loss_scale", scaler._get_scale_async(), on_step=True, on_epoch=False)
+            pl_module.log("train/loss_scale", loss_scale_tensor(scaler), on_step=True, on_epoch=False)
 
     def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         norm = getattr(trainer.strategy.core, "last_clip_norm", None)

@@ -17,7 +17,6 @@ metrics) and barriers are kept apart as control traffic.
 from __future__ import annotations
 
 import collections
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -26,28 +25,14 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_tp3d._compat.torch import recorded_collectives
+
 __all__ = ["TrafficRecorder"]
 
 _DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4, "Byte": 1, "Bool": 1,
                 "Char": 1, "Short": 2}
 _P2P_CALLS = ("isend", "send")
 Key = tuple[str, str, int, int]
-
-
-def _recorder_entries() -> list[dict[str, Any]]:
-    import torch._C._distributed_c10d as c10d_bindings
-
-    for dump_name in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
-        dump = getattr(c10d_bindings, dump_name, None)
-        if dump is None:
-            continue
-        try:
-            entries = json.loads(dump(True, True)).get("entries", [])
-        except Exception:  # noqa: BLE001 - that recorder is not built in or holds nothing
-            continue
-        if entries:
-            return entries
-    return []
 
 
 class TrafficRecorder:
@@ -63,7 +48,7 @@ class TrafficRecorder:
         self._originals: dict[str, Callable[..., Any]] = {}
 
     def __enter__(self) -> TrafficRecorder:
-        self._last_record = max((entry.get("record_id", -1) for entry in _recorder_entries()), default=-1)
+        self._last_record = max((entry.get("record_id", -1) for entry in recorded_collectives()), default=-1)
         for name in _P2P_CALLS:
             original = getattr(c10d, name)
             self._originals[name] = original
@@ -77,7 +62,7 @@ class TrafficRecorder:
             setattr(c10d, name, original)
             setattr(dist, name, original)
         self._originals.clear()
-        for entry in _recorder_entries():
+        for entry in recorded_collectives():
             if entry.get("record_id", -1) <= self._last_record or entry.get("is_p2p"):
                 continue
             operation = entry.get("profiling_name", "").split(":")[-1]

@@ -48,15 +48,12 @@ from lightning_tp3d.io.checkpoint_format import (
     TRAINER_STATE_FILE,
     CheckpointError,
     CheckpointMeta,
-    ModelTensorReader,
     check_shard_files,
     checkpoint_folder,
     damaged_files,
     dcp_single_process_notice_silenced,
     is_complete,
-    load_model_tensors,
     load_weights_only,
-    model_tensor_shapes,
     raise_damaged,
     read_index,
     read_meta,
@@ -67,20 +64,7 @@ from lightning_tp3d.io.dcp_files import DCP_INDEX_FILE, HashingFileSystemWriter,
 from lightning_tp3d.io.folders import PARTIAL_SUFFIX, finish_interrupted_replacement, replace_folder, staging_folder
 from lightning_tp3d.io.random_state import capture_rng_state
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointMeta",
-    "MODEL_GROUP",
-    "ModelTensorReader",
-    "checkpoint_folder",
-    "PendingSave",
-    "load_checkpoint",
-    "load_model_tensors",
-    "load_rng_state",
-    "model_tensor_shapes",
-    "read_meta",
-    "save_checkpoint",
-]
+__all__ = ["PendingSave", "load_checkpoint", "load_rng_state", "save_checkpoint"]
 
 # ---------------------------------------------------------------------------------------------- save
 def save_checkpoint(

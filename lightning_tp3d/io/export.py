@@ -17,8 +17,6 @@ Example usage::
     export_checkpoint("checkpoints/last.ckpt", "export/hf", dtype="bf16", max_shard_size="5GB")
     write_deploy_shards("export/hf", tensor_parallel_size=2)   # export/hf-deploy-tp2/rank-00/...
 
-The Hugging Face helpers that lived here in 0.1 (`hf_config`, `load_hf_weights`, `open_hf_folder`,
-`write_deploy_shards`, `deploy_split_dim`, ...) are still importable from this module.
 """
 
 from __future__ import annotations
@@ -36,31 +34,14 @@ from lightning_tp3d.io.deploy import DEPLOY_SHARDS, check_deploy_tp, deploy_fold
 from lightning_tp3d.io.folders import check_output_folder, replace_folder, staging_folder
 from lightning_tp3d.io.hf import (
     EXPORT_DTYPES,
-    hf_config,
     hf_config_for,
-    load_hf_weights,
-    open_hf_folder,
     write_safetensors,
 )
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.sharding import hf_tensor_names
-from lightning_tp3d.plan.sharding import split_dim as deploy_split_dim
 from lightning_tp3d.plan.units import parse_size
 
-__all__ = [
-    "DEPLOY_SHARDS",
-    "EXPORT_DTYPES",
-    "ExportResult",
-    "HF_EXPORT",
-    "deploy_folder",
-    "deploy_split_dim",
-    "export_checkpoint",
-    "hf_config",
-    "hf_tensor_names",
-    "load_hf_weights",
-    "open_hf_folder",
-    "write_deploy_shards",
-]
+__all__ = ["ExportResult", "HF_EXPORT", "export_checkpoint"]
 
 HF_EXPORT = "hf-export"  # the kind of folder this module writes (see `io.folders`)
 

@@ -43,7 +43,7 @@ class _HuggingFaceStage(nn.Module):
     def __init__(self, decoder: nn.Module, blocks: Sequence[nn.Module], first: bool, last: bool,
                  head: nn.Module | None) -> None:
         super().__init__()
-        self.__dict__["_decoder"] = decoder
+        self.__dict__["_decoder"] = decoder  # not a child module: its parameters belong to the network
         self.blocks = nn.ModuleList(blocks)
         self.first, self.last = first, last
         self.embed_tokens = decoder.embed_tokens if first else None

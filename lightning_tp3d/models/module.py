@@ -18,6 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from lightning_tp3d._compat.lightning import attached_trainer
 from lightning_tp3d.models.llama import LlamaForCausalLM
 from lightning_tp3d.plan.config import ModelConfig, resolve_model_config
 
@@ -55,7 +56,8 @@ class CausalLMModule(L.LightningModule):
             return
         # Under TP3DStrategy the network is declared on the meta device and the strategy materialises only
         # this rank's shard (same values at every layout: `LlamaForCausalLM.init_weights`).
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        trainer = attached_trainer(self)
+        strategy = trainer.strategy if trainer is not None else None
         sharded = getattr(strategy, "materializes_meta_networks", False)
         with torch.device("meta") if sharded else contextlib.nullcontext():
             self.model = LlamaForCausalLM(self.config, init_seed=self.hparams.init_seed)

@@ -19,7 +19,6 @@ Two torch facts (2.13) shape this module:
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 from collections.abc import Callable
@@ -27,8 +26,9 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend
 from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_tp3d._compat.torch import process_group_options, recorded_collectives
 
 __all__ = [
     "CollectiveTimeoutError",
@@ -60,30 +60,13 @@ def enable_collective_recording() -> None:
 
 def mesh_group_options(backend: str, timeout: timedelta, dim_names: tuple[str, ...]) -> dict[str, Any]:
     """`init_device_mesh(backend_override=...)` giving every mesh dimension's groups `timeout`."""
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-    else:
-        options = Backend.Options(backend, timeout)
+    options = process_group_options(backend, timeout)
     return {name: (backend, options) for name in dim_names}
-
-
-def _recorded_entries(dump_name: str) -> list[dict[str, Any]]:
-    try:
-        import torch._C._distributed_c10d as c10d
-
-        return json.loads(getattr(c10d, dump_name)(True, True)).get("entries", [])
-    except Exception:  # noqa: BLE001 - recorder off or not built: nothing to name the failure with
-        return []
 
 
 def _last_recorded_collective() -> dict[str, Any] | None:
     """The newest entry of NCCL's recorder (GPU groups), else of the generic one (gloo groups)."""
-    for dump_name in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
-        entries = _recorded_entries(dump_name)
-        if entries:
-            return max(entries, key=lambda entry: entry.get("record_id", 0))
-    return None
+    return max(recorded_collectives(), key=lambda entry: entry.get("record_id", 0), default=None)
 
 
 def describe_failed_collective(error: BaseException, mesh: DeviceMesh | None, timeout: timedelta | None) -> str | None:

@@ -24,7 +24,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_tp3d._compat.torch import local_shape_and_global_offset
 
 __all__ = [
     "ROWS_PER_BLOCK",
@@ -49,7 +50,7 @@ def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]
     A DTensor's local shard is one box of the global tensor for every placement our layouts produce
     (tp Shard, FSDP2 Shard on top of it, Replicate); a plain tensor is its own whole."""
     if isinstance(tensor, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        shape, offset = local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         return tensor.to_local(), tuple(slice(start, start + size) for start, size in zip(offset, shape))
     return tensor, tuple(slice(0, size) for size in tensor.shape)
 

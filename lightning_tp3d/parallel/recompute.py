@@ -31,14 +31,10 @@ from torch import nn
 from lightning_tp3d.parallel.paths import find_attribute, indexed_blocks
 from lightning_tp3d.plan.recompute import (
     DEFAULT_SELECTIVE_TARGET,
-    RECOMPUTE_GRANULARITIES,
-    RECOMPUTE_METHODS,
-    check_recompute_options,
     recomputed_layers,
 )
 
-__all__ = ["DEFAULT_SELECTIVE_TARGET", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "apply_recompute",
-           "check_recompute_options", "recompute_network_layers", "recomputed_layers"]
+__all__ = ["apply_recompute", "recompute_network_layers"]
 
 
 def apply_recompute(blocks: Mapping[int, nn.Module], granularity: str,

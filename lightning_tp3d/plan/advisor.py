@@ -53,7 +53,8 @@ class LayoutCandidate:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     data_parallel_size: int
-    data_parallel_mode: str  # "replicate", "fsdp", or "fsdp-reshard" (fsdp_reshard_after_forward=True under pp)
+    data_parallel_mode: str  # the option values: "replicate", "fsdp" or "zero1",
+    fsdp_reshard_after_forward: bool | None  # and FSDP2's resharding as asked (None: the default)
     recompute: str
     num_microbatches: int
     gradient_accumulation_steps: int
@@ -70,8 +71,19 @@ class LayoutCandidate:
     @property
     def name(self) -> str:
         return (f"tp={self.tensor_parallel_size} pp={self.pipeline_parallel_size} dp={self.data_parallel_size}"
-                f" {self.data_parallel_mode} recompute={self.recompute} m={self.num_microbatches}"
+                f" {self.data_parallel_label} recompute={self.recompute} m={self.num_microbatches}"
                 f" k={self.gradient_accumulation_steps}")
+
+    @property
+    def data_parallel_label(self) -> str:
+        """The mode as tables show it: `fsdp reshard` where `fsdp_reshard_after_forward=True` is asked."""
+        return self.data_parallel_mode + (" reshard" if self.fsdp_reshard_after_forward else "")
+
+    def options(self, seq_len: int, precision: str) -> TrainingOptions:
+        """The ledger options this candidate was evaluated with."""
+        return TrainingOptions(seq_len=seq_len, precision=precision, recompute=self.recompute,
+                               data_parallel_mode=self.data_parallel_mode,
+                               fsdp_reshard_after_forward=self.fsdp_reshard_after_forward)
 
     def parts(self) -> dict[str, float]:
         """The step's seconds by cause: compute (with recompute), bubble, each group's exposed communication."""
@@ -109,8 +121,8 @@ def evaluate_layout(config: ModelConfig, cluster: Cluster, layout: ParallelLayou
         for group, seconds in ledger.seconds(stage, bandwidth, cluster.latency_seconds).items():
             hidden = min(seconds["hideable_seconds"], compute) if cluster.overlap else 0.0
             exposed[group] = max(exposed[group], seconds["seconds"] - hidden)
-    mode = options.data_parallel_mode + ("-reshard" if options.fsdp_reshard_after_forward and pp > 1 else "")
-    return LayoutCandidate(layout.tensor_parallel_size, pp, layout.data_parallel_size, mode,
+    return LayoutCandidate(layout.tensor_parallel_size, pp, layout.data_parallel_size, options.data_parallel_mode,
+                           options.fsdp_reshard_after_forward,
                            options.recompute, m, layout.gradient_accumulation_steps, peak,
                            peak <= cluster.usable_fraction * cluster.gpu_memory_bytes, compute, bubble, exposed)
 

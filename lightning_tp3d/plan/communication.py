@@ -24,7 +24,7 @@ pp (per micro-batch, k m per step): a stage that is not last sends its b s h out
     that is not first sends the b s h input gradient back. So first and last stages send k m b s h
     elements, middle stages 2 k m b s h.
 dp `replicate`: the stage's gradients, P_i, all-reduced once per step: in buckets of at most 25 MiB
-    during backward without pipelining (`parallel.overlap`: parameters packed in reverse order, a
+    during backward without pipelining (`parallel.data_parallel.overlap`: parameters packed in reverse order, a
     bucket closed when the next one would overflow it), else in one flat all-reduce after backward.
 dp `fsdp` (FSDP2, one unit per block plus one for the stage's other parameters): per unit and step
     the all-gathers of its shard (each parameter's dim 0 padded to a multiple of d) and one
@@ -33,9 +33,10 @@ dp `fsdp` (FSDP2, one unit per block plus one for the stage's other parameters):
     forward, 2 without pipelining (forward, then again in backward; the default) and m + 1 under it
     (each micro-batch's forward, and once for the backwards, between which pipelining keeps the unit
     gathered; measured with 1F1B).
-    gloo has no reduce-scatter: FSDP2 all-reduces the same payload there (`backend="gloo"`).
-dp `zero1` (`parallel.zero`): once per step, after backward, per bucket of `plan.optimizer_sharding`
-    (d segments of S elements): a reduce-scatter of d S gradient elements (an all-reduce on gloo), and
+    gloo runs a reduce-scatter as an all-reduce of the whole input (its flight recorder says so), so
+    the ledger counts an all-reduce of the same payload there (`backend="gloo"`, `_reduce_scatter_on`).
+dp `zero1` (`parallel.data_parallel.zero`): once per step, after backward, per bucket of `plan.optimizer_sharding`
+    (d segments of S elements): a reduce-scatter of d S gradient elements (on gloo an all-reduce), and
     after the update an all-gather of the rank's S parameter elements. Sum over buckets: d S >= P_i,
     so the bytes are the all-reduce's 2 (d - 1) / d x P_i, DDP's (plus the padding to S).
 Element sizes: under `32-true` everything is fp32. Under 16-bit autocast (`bf16-mixed`, `16-mixed`) the
@@ -59,11 +60,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_tp3d.plan.config import ModelConfig
+from lightning_tp3d.plan.data_parallel import GradientReduction
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions
 from lightning_tp3d.plan.optimizer_sharding import pack_buckets, part_sizes
 from lightning_tp3d.plan.recompute import recomputed_layers
-from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, LAYER_WEIGHTS, WeightSplit
 
 __all__ = ["BUCKET_BYTES", "DEFAULT_LINKS_GBPS", "GROUPS", "CommunicationLedger", "Transfer",
@@ -169,13 +170,19 @@ def _registration_order(root_shapes: list[tuple[int, ...]], layer_shapes: list[t
 
 def _buckets(sizes: list[int], element_bytes: int) -> list[int]:
     """Elements of each bucket: parameters taken in reverse order, a bucket closed when the next parameter
-    would take it over `BUCKET_BYTES` (`parallel.overlap.OverlappedGradientReduction`)."""
+    would take it over `BUCKET_BYTES` (`parallel.data_parallel.overlap.OverlappedGradientReduction`)."""
     buckets: list[int] = []
     for size in reversed(sizes):
         if not buckets or (buckets[-1] + size) * element_bytes > BUCKET_BYTES:
             buckets.append(0)
         buckets[-1] += size
     return buckets
+
+
+def _reduce_scatter_on(backend: str) -> str:
+    """The collective a reduce-scatter is on the wire: gloo's `reduce_scatter_single` all-reduces the whole
+    input and keeps the rank's segment (torch 2.13: its flight recorder records `all_reduce` of d S)."""
+    return "all_reduce" if backend == "gloo" else "reduce_scatter"
 
 
 def _zero_transfers(config: ModelConfig, tp: int, dp: int, first: bool, last: bool, num_layers: int,
@@ -189,7 +196,7 @@ def _zero_transfers(config: ModelConfig, tp: int, dp: int, first: bool, last: bo
         if not (config.tie_word_embeddings and first):
             weights.append(HEAD)
     parts = [part_sizes(_local_shape(weight, config, tp), weight.dim if tp > 1 else None, dp) for weight in weights]
-    reduce = "reduce_scatter" if backend != "gloo" else "all_reduce"
+    reduce = _reduce_scatter_on(backend)
     transfers = []
     for bucket in pack_buckets(parts, dp, element_bytes, BUCKET_BYTES):
         transfers.append(Transfer("dp", reduce, 1, bucket.payload(dp), element_bytes, "gradients, one bucket"))
@@ -210,6 +217,8 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
     stream = 2 if options.precision == "bf16-true" else 4  # residual stream, its gradients, fp32 master grads
     layer_shapes = [_local_shape(weight, config, tp) for weight in LAYER_WEIGHTS]
     stages: list[list[Transfer]] = []
+    data_parallel = options.data_parallel(layout)
+    reduction = data_parallel.reduction
     for stage, layers in enumerate(layout.stage_layer_ranges(config.num_hidden_layers)):
         first, last = stage == 0, stage == pp - 1
         recomputed = 0
@@ -237,22 +246,22 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
                 root_shapes.append(_local_shape(FINAL_NORM, config, tp))
                 if not (config.tie_word_embeddings and first):
                     root_shapes.append(_local_shape(HEAD, config, tp))
-            if options.data_parallel_mode == "replicate" and options.overlap_gradient_reduction and pp == 1:
+            if reduction is GradientReduction.OVERLAPPED_ALL_REDUCE:
                 buckets = _buckets(_registration_order(root_shapes, layer_shapes, len(layers)), stream)
                 for index, elements in enumerate(buckets):  # all but the last launched overlap with backward
                     transfers.append(Transfer("dp", "all_reduce", 1, elements, stream, "gradients, one bucket",
                                               hideable=index < len(buckets) - 1))
-            elif options.data_parallel_mode == "zero1":
+            elif reduction is GradientReduction.REDUCE_SCATTER:
                 transfers.extend(_zero_transfers(config, tp, dp, first, last, len(layers), stream, backend))
-            elif options.data_parallel_mode == "replicate":
+            elif reduction is GradientReduction.ALL_REDUCE:
                 elements = len(layers) * sum(math.prod(shape) for shape in layer_shapes)
                 elements += sum(math.prod(shape) for shape in root_shapes)
                 transfers.append(Transfer("dp", "all_reduce", 1, elements, stream, "gradients, after backward"))
-            else:
-                reduce = "reduce_scatter" if backend != "gloo" else "all_reduce"
+            elif reduction is GradientReduction.FULLY_SHARDED:
+                reduce = _reduce_scatter_on(backend)
                 steps = layout.gradient_accumulation_steps  # FSDP2 reduces after every accumulated batch
-                reshard = fsdp_reshards_after_forward(options.fsdp_reshard_after_forward, options.schedule, pp)
-                gathers = steps * ((layout.num_microbatches + 1 if pp > 1 else 2) if reshard else 1)
+                gathers = steps * ((layout.num_microbatches + 1 if pp > 1 else 2) if data_parallel.reshard_after_forward
+                                   else 1)
                 units: list[tuple[list[tuple[int, ...]], int, str]] = [
                     (layer_shapes, gathers, f"block {index}") for index in layers]
                 if root_shapes:

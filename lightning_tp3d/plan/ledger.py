@@ -44,13 +44,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from lightning_tp3d.plan.config import ModelConfig
+from lightning_tp3d.plan.data_parallel import DataParallelPlan, check_data_parallel_mode, choose_data_parallel
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.recompute import check_recompute_options, recomputed_layers
-from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward, stages_per_rank_of
+from lightning_tp3d.plan.schedules import stages_per_rank_of
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, layer_parameters_per_rank, parameters_per_rank
 
 __all__ = [
-    "DATA_PARALLEL_MODES",
     "PRECISIONS",
     "DeployOption",
     "ServingLedger",
@@ -66,7 +66,6 @@ __all__ = [
     "training_ledger",
 ]
 
-DATA_PARALLEL_MODES: tuple[str, ...] = ("replicate", "fsdp", "zero1")
 # precision -> (parameter, gradient, optimizer-state bytes per parameter, activation element bytes)
 PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "32-true": (4, 4, 8, 4),
@@ -93,13 +92,17 @@ class TrainingOptions:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not one of {sorted(PRECISIONS)}.")
         check_recompute_options(self.recompute, self.recompute_method, self.recompute_num_layers)
-        if self.data_parallel_mode not in DATA_PARALLEL_MODES:
-            raise ValueError(
-                f"data_parallel_mode={self.data_parallel_mode!r} is not one of {list(DATA_PARALLEL_MODES)}.")
+        check_data_parallel_mode(self.data_parallel_mode)
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule={self.schedule!r} is not one of ['1f1b', 'gpipe'].")
         if self.seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {self.seq_len}.")
+
+    def data_parallel(self, layout: ParallelLayout) -> DataParallelPlan:
+        """What the data-parallel mode does at `layout` (`plan.data_parallel.choose_data_parallel`)."""
+        return choose_data_parallel(self.data_parallel_mode, layout.data_parallel_size,
+                                    layout.pipeline_parallel_size, self.overlap_gradient_reduction,
+                                    self.fsdp_reshard_after_forward, self.schedule)
 
 
 @dataclass(frozen=True)
@@ -165,11 +168,12 @@ def training_flops_per_token(config: ModelConfig, seq_len: int, recompute: str =
 def training_ledger(config: ModelConfig, layout: ParallelLayout, options: TrainingOptions) -> TrainingLedger:
     """Per-stage memory of one rank for training `config` at `layout` (see the module docstring)."""
     layout.validate_model(config)
-    tp, pp, dp = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size
+    tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
     if pp > 1:
         stages_per_rank_of(options.schedule, pp, layout.num_microbatches, 1)  # 1F1B: m >= pp
     weight, gradient, optimizer, activation = PRECISIONS[options.precision]
-    shard = dp if options.data_parallel_mode == "fsdp" else 1
+    data_parallel = options.data_parallel(layout)
+    shard = data_parallel.parameter_shards
     s, b, m = options.seq_len, layout.micro_batch_size, layout.num_microbatches
     full_layer = _layer_activation_elements(config, tp, s, b)
     kept_when_recomputed = {
@@ -196,11 +200,11 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
         activation_bytes = elements * activation + max(logits_bytes, recompute_bytes)
         in_flight = 1 if pp == 1 else (m if options.schedule == "gpipe" else min(m, pp - stage))
         local = -(-parameters // shard)
-        optimizer_local = -(-parameters // dp) if options.data_parallel_mode == "zero1" else local
+        optimizer_local = -(-parameters // data_parallel.optimizer_shards)
         gathered = 0
-        if options.data_parallel_mode == "fsdp" and dp > 1:
-            whole_stage = not fsdp_reshards_after_forward(options.fsdp_reshard_after_forward, options.schedule, pp)
-            gathered = (parameters if whole_stage else 2 * layer_parameters_per_rank(config, tp)) * weight
+        if shard > 1:
+            gathered = (2 * layer_parameters_per_rank(config, tp) if data_parallel.reshard_after_forward
+                        else parameters) * weight
         stages.append(StageLedger(
             stage=stage, first_layer=layers.start, num_layers=len(layers), parameters=parameters,
             weight_bytes=local * weight, gradient_bytes=local * gradient, optimizer_bytes=optimizer_local * optimizer,

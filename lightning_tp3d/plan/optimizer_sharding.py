@@ -12,7 +12,7 @@ bucket's parameters laid end to end, padded to the longest rank's segment S, so 
 input is d x S elements; a bucket is closed when the next parameter would take d x S over
 `bucket_bytes` (a parameter larger than that gets a bucket of its own).
 
-The runtime (`parallel.zero`) and the communication ledger (`plan.communication`) both take their
+The runtime (`parallel.data_parallel.zero`) and the communication ledger (`plan.communication`) both take their
 buckets from `pack_buckets`, so the ledger counts the same calls and payloads the run makes.
 """
 

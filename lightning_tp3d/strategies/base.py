@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_tp3d._compat.lightning import setup_process_groups
 from lightning_tp3d.diagnostics.doctor import DoctorReport
 from lightning_tp3d.parallel.collectives import enable_collective_recording, naming_stuck_collectives
 from lightning_tp3d.parallel.mesh import mesh_device
@@ -48,7 +49,7 @@ class TP3DStrategyBase:
 
     @property
     def data_parallel_mode(self) -> str:
-        return self.core.data_parallel_mode
+        return self.core.options.data_parallel_mode
 
     @property
     def preflight_report(self) -> DoctorReport | None:
@@ -86,7 +87,7 @@ class TP3DStrategyBase:
         """Process groups, then the ("pp", "dp", "tp") mesh; collective recording starts before any group
         exists so that a failed collective can be named."""
         enable_collective_recording()
-        self._setup_distributed()
+        setup_process_groups(self)
         self._device_mesh = self.core.setup_mesh(self.num_nodes * self.num_processes, self.root_device.type,
                                                  self._timeout)
 

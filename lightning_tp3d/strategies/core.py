@@ -30,31 +30,22 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp3d.data.sampler import SamplePosition
 from lightning_tp3d.diagnostics.doctor import DoctorReport, run_doctor
-from lightning_tp3d.io.checkpoint import (
-    MODEL_GROUP,
-    CheckpointMeta,
-    PendingSave,
-    load_checkpoint,
-    load_rng_state,
-    save_checkpoint,
-)
+from lightning_tp3d.io.checkpoint import PendingSave, load_checkpoint, load_rng_state, save_checkpoint
+from lightning_tp3d.io.checkpoint_format import MODEL_GROUP, CheckpointMeta
 from lightning_tp3d.io.hf import load_hf_weights
 from lightning_tp3d.io.random_state import restore_rng_state
 from lightning_tp3d.models.huggingface import HuggingFaceStages, is_huggingface_causal_lm
 from lightning_tp3d.models.llama import causal_lm_loss
-from lightning_tp3d.parallel.data import all_reduce_gradients, apply_fsdp
+from lightning_tp3d.parallel.data_parallel import DataParallel, build_data_parallel
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
 from lightning_tp3d.parallel.materialize import materialize_network
 from lightning_tp3d.parallel.mesh import build_device_mesh, mesh_device
-from lightning_tp3d.parallel.overlap import OverlappedGradientReduction
 from lightning_tp3d.parallel.paths import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.pipeline import (
     GradientHandOver,
-    PipelinePlan,
     PipelineRunner,
     PipelineStages,
     install_pipelined_forward,
-    plan_pipeline,
     split_network,
 )
 from lightning_tp3d.parallel.recompute import recompute_network_layers
@@ -63,15 +54,13 @@ from lightning_tp3d.parallel.tensor import (
     check_plan_matches,
     plan_entries_present,
     resolve_tp_plan,
-    shard_gradients_like_parameters,
 )
-from lightning_tp3d.parallel.zero import ZeroOptimizerSharding
-from lightning_tp3d.plan.communication import BUCKET_BYTES
+from lightning_tp3d.plan.data_parallel import DataParallelPlan, choose_data_parallel
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
-from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward
+from lightning_tp3d.plan.schedules import PipelinePlan, plan_pipeline
 from lightning_tp3d.strategies.options import ParallelOptions
 
-__all__ = ["FLAT_OPTIMIZER_STATE", "ParallelCore", "UNSTEPPED", "model_config", "resolve_attribute"]
+__all__ = ["FLAT_OPTIMIZER_STATE", "ParallelCore", "UNSTEPPED", "model_config"]
 
 # Flattened optimizer state is keyed by parameter name (`state.<name>.exp_avg`), not by position, so the
 # state of a stage's parameters is found again under any pipeline split.
@@ -101,7 +90,6 @@ class ParallelCore:
             raise TypeError("ParallelCore takes a ParallelOptions or its keyword arguments, not both.")
         options = options if options is not None else ParallelOptions(**option_values)
         self.options = options
-        self.data_parallel_mode = options.data_parallel_mode
         self.pretrained = options.pretrained
         self._tp_plan = resolve_tp_plan(options.tp_plan)
         self.preflight_report: DoctorReport | None = None
@@ -112,9 +100,8 @@ class ParallelCore:
         self._mesh: DeviceMesh | None = None
         self._parallelized: nn.Module | None = None
         self._handover: GradientHandOver | None = None
-        self._overlap: OverlappedGradientReduction | None = None
-        self._overlap_parameters: list[int] = []
-        self._zero: ZeroOptimizerSharding | None = None
+        self._data_parallel_plan: DataParallelPlan | None = None
+        self._data_parallel: DataParallel | None = None
         self._reduced_parameters: list[nn.Parameter] | None = None  # reduced since the last backward
         self.last_gradient_wait_seconds = 0.0
 
@@ -131,6 +118,13 @@ class ParallelCore:
             raise RuntimeError("The device mesh is built when the strategy sets up its environment.")
         return self._mesh
 
+    @property
+    def data_parallel(self) -> DataParallel:
+        """The data-parallel mode's steps (`parallel.data_parallel`), built with the mesh."""
+        if self._data_parallel is None:
+            raise RuntimeError("The data-parallel mode is built when the strategy sets up its environment.")
+        return self._data_parallel
+
     def validate_model(self, config: Any) -> None:
         """Check `config` against the layout once it is resolved (before any process group exists)."""
         if self._layout is not None:
@@ -142,11 +136,16 @@ class ParallelCore:
                                               pipeline_parallel_size=pp, data_parallel_size=dp,
                                               num_microbatches=self.options.num_microbatches,
                                               layers_per_stage=self.options.layers_per_stage)
+        options = self.options
+        self._data_parallel_plan = choose_data_parallel(
+            options.data_parallel_mode, self._layout.data_parallel_size, self._layout.pipeline_parallel_size,
+            options.overlap_gradient_reduction, options.fsdp_reshard_after_forward, options.pipeline_schedule)
         return self._layout
 
     def setup_mesh(self, world_size: int, device_type: str, timeout: timedelta | None) -> DeviceMesh:
         """The ("pp", "dp", "tp") mesh with `timeout` on every group; the preflight measurement if asked."""
         self._mesh = build_device_mesh(self.resolve_layout(world_size), device_type, timeout)
+        self._data_parallel = build_data_parallel(self._data_parallel_plan, self._mesh)
         if self.options.preflight and self.preflight_report is None:
             self.preflight_report = run_doctor(self.layout, self._mesh, sizes=(2**20,), iterations=3)
             rank_zero_info(self.preflight_report.table())
@@ -195,13 +194,7 @@ class ParallelCore:
             stage_layers = pipeline_plan.layer_ranges if pipeline_plan is not None else [sorted(indexed_blocks(layers))]
             recompute_network_layers(layers, stage_layers, options.recompute, options.recompute_method,
                                      options.recompute_num_layers, options.recompute_target)
-        if self.data_parallel_mode == "fsdp":
-            # Under pipelining each stage module is called directly, so each is an FSDP root of its own;
-            # by default its parameters stay gathered through the step's micro-batches (see `apply_fsdp`).
-            reshard = fsdp_reshards_after_forward(options.fsdp_reshard_after_forward, options.pipeline_schedule,
-                                                  layout.pipeline_parallel_size)
-            apply_fsdp(stage_modules or [network], self.mesh["dp"], indexed_blocks(self._layers(network)).values(),
-                       reshard_after_forward=reshard)
+        self.data_parallel.wrap(stage_modules or [network], indexed_blocks(self._layers(network)).values())
         if pipeline_plan is not None:
             loss_fn = stages.loss_function(network) or causal_lm_loss
             self.pipeline = PipelineRunner(stage_modules, pipeline_plan, layout.num_microbatches, loss_fn,
@@ -244,61 +237,36 @@ class ParallelCore:
             self._handover.take()
 
     def before_backward(self, parameters: Iterable[nn.Parameter], completes_gradients: bool) -> None:
-        """Arm the dp reduction overlapped with the coming backward (`parallel.overlap`: replicate mode,
-        dp > 1, no pipeline, `overlap_gradient_reduction`); `completes_gradients`: the last backward before
-        the optimizer step (not an accumulating one)."""
+        """Before a backward (the overlapped all-reduce arms its hooks, `parallel.data_parallel.overlap`);
+        `completes_gradients`: the last backward before the optimizer step (not an accumulating one)."""
         self._reduced_parameters = None
-        if not (self.options.overlap_gradient_reduction and self.data_parallel_mode == "replicate"
-                and self.layout.data_parallel_size > 1 and self.pipeline is None):
-            return
-        parameters = [parameter for parameter in parameters if parameter.requires_grad]
-        if self._overlap is None or self._overlap_parameters != [id(parameter) for parameter in parameters]:
-            if self._overlap is not None:
-                self._overlap.remove()
-            self._overlap = OverlappedGradientReduction(parameters, self.group("dp"), self.layout.data_parallel_size)
-            self._overlap_parameters = [id(parameter) for parameter in parameters]
-        self._overlap.sync = completes_gradients
+        self.data_parallel.before_backward(parameters, completes_gradients)
 
     def all_reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-        """Shard each gradient like its parameter (see `shard_gradients_like_parameters`), then average
-        gradients over dp in `"replicate"` mode (FSDP2 reduce-scatters them itself): what the overlapped
-        reduction launched during backward is waited for, the rest reduced now; in `"zero1"` mode reduce-
-        scatter them to the parts the optimizer updates (`parallel.zero`). Returns the parameters that now
-        hold the reduced gradients (the parts in `"zero1"` mode). The host seconds this takes after
-        backward are kept in `last_gradient_wait_seconds` (the exposed dp time).
+        """The dp average of the gradients (`DataParallel.reduce_gradients`: each gradient cut like its
+        parameter, then all-reduced, waited for where backward launched it, or reduce-scattered to the
+        optimizer's parts in `"zero1"` mode; FSDP2 reduced them itself). Returns the parameters that now
+        hold the reduced gradients. The host seconds this takes after backward are kept in
+        `last_gradient_wait_seconds` (the exposed dp time).
 
         Once per backward: a later call returns the first call's parameters without reducing again (manual
         optimization clips before its `optimizer.step()`, and both need the reduced gradients)."""
         if self._reduced_parameters is not None:
             return self._reduced_parameters
         started = time.perf_counter()
-        parameters = list(parameters)
-        if self._overlap is not None:
-            self._overlap.finish()
-        shard_gradients_like_parameters(parameters)
-        if self._zero is not None:
-            parameters = self._zero.reduce_scatter_gradients()
-        elif self._overlap is None and self.data_parallel_mode == "replicate" and self.layout.data_parallel_size > 1:
-            all_reduce_gradients(parameters, self.group("dp"), self.layout.data_parallel_size)
+        parameters = self.data_parallel.reduce_gradients(list(parameters))
         self.last_gradient_wait_seconds = time.perf_counter() - started
         self._reduced_parameters = parameters
         return parameters
 
     def shard_optimizers(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """In `"zero1"` mode with dp > 1, hand `optimizers` this dp rank's parts of `module`'s parameters
-        (`parallel.zero`); with dp = 1 there is nothing to split and the mode trains as `"replicate"`."""
-        if self.data_parallel_mode != "zero1" or self.layout.data_parallel_size == 1:
-            return
-        held = {id(parameter) for optimizer in optimizers for group in optimizer.param_groups
-                for parameter in group["params"]}
-        named = [(name, parameter) for name, parameter in module.named_parameters() if id(parameter) in held]
-        self._zero = ZeroOptimizerSharding(named, self.mesh["dp", "tp"], BUCKET_BYTES)
-        self._zero.shard(optimizers)
+        (`parallel.data_parallel.zero`); with dp = 1 there is nothing to split."""
+        self.data_parallel.shard_optimizers(module, optimizers)
 
     def after_optimizer_step(self) -> None:
         """In `"zero1"` mode: all-gather the updated parts, so every dp rank holds the whole parameters."""
-        if self._zero is not None:
-            self._zero.all_gather_parameters()
+        self.data_parallel.after_optimizer_step()
 
     def clip_gradients_by_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale gradients so their global 2-norm (tp shards, dp shards, pp stages) is at most `max_norm`;
@@ -310,7 +278,7 @@ class ParallelCore:
     def optimizer_owner(self, module: nn.Module) -> nn.Module:
         """The module whose parameters an optimizer holds: `module`, or in `"zero1"` mode the parts' tree
         (same names, so the state is keyed as in every other mode)."""
-        return self._zero.state_module if self._zero is not None else module
+        return self.data_parallel.optimizer_owner(module)
 
     def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """`optimizer`'s flattened state dict: this rank's shards, keyed by the parameters' global names,
@@ -343,7 +311,7 @@ class ParallelCore:
             layout=self.layout.to_dict(), world_size=world_size, global_step=global_step, epoch=epoch,
             consumed_samples=position.consumed,
             consumed_samples_in_epoch=position.consumed_in_epoch if position.epoch == epoch else 0,
-            network_prefix=network_prefix, data_parallel_mode=self.data_parallel_mode, model_config=record,
+            network_prefix=network_prefix, data_parallel_mode=self.options.data_parallel_mode, model_config=record,
             precision=precision, **(losses or {}),
         )
 

@@ -43,7 +43,7 @@ from typing_extensions import override
 from lightning_tp3d._compat.lightning import ParallelBackwardSyncControl
 from lightning_tp3d.parallel.grad_norm import clip_grad_value_
 from lightning_tp3d.parallel.pipeline import PipelineStages
-from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
+from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.core import ParallelCore, model_config
 from lightning_tp3d.strategies.options import ParallelOptions
@@ -167,7 +167,7 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         """In `data_parallel_mode="zero1"` the optimizer is handed this dp rank's parts of the parameters."""
         if self._network is not None:
             self.core.shard_optimizers(self._network, [optimizer])
-        elif self.core.data_parallel_mode == "zero1":
+        elif self.core.data_parallel.shards_optimizers:
             raise RuntimeError("data_parallel_mode='zero1': set up the module with `fabric.setup(module)` before its"
                                " optimizer (the optimizer is handed parts of the set-up module's parameters).")
         return super().setup_optimizer(optimizer)

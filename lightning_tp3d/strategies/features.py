@@ -45,9 +45,10 @@ class UnsupportedFeatureError(ValueError):
     """A Lightning feature TP3DStrategy cannot run at this layout; the message says why and what to use."""
 
 
-def check_lightning_features(callbacks: Iterable[Any], data_parallel_mode: str, layout: ParallelLayout,
+def check_lightning_features(callbacks: Iterable[Any], shards_optimizers: bool, layout: ParallelLayout,
                              detect_anomaly: bool) -> None:
-    """Refuse, before training starts, the features listed in this module's docstring."""
+    """Refuse, before training starts, the features listed in this module's docstring; `shards_optimizers`:
+    the data-parallel mode hands the optimizers parts of the parameters (`DataParallel.shards_optimizers`)."""
     if detect_anomaly and layout.tensor_parallel_size > 1:
         raise UnsupportedFeatureError(
             "Trainer(detect_anomaly=True) is not supported with tensor_parallel_size > 1: torch's anomaly detection"
@@ -55,7 +56,6 @@ def check_lightning_features(callbacks: Iterable[Any], data_parallel_mode: str, 
             " (no sharding strategy). Find the step at tensor_parallel_size=1 (pipeline and data parallel work), or"
             " rely on the strategy's non-finite step guard (skip_non_finite_steps), which names the steps."
         )
-    data_parallel_size = layout.data_parallel_size
     for callback in callbacks:
         if isinstance(callback, StochasticWeightAveraging):
             raise UnsupportedFeatureError(
@@ -65,7 +65,7 @@ def check_lightning_features(callbacks: Iterable[Any], data_parallel_mode: str, 
                 " torch.optim.swa_utils.SWALR in configure_optimizers, and average the exports of the last"
                 " checkpoints (`tp3d export`) after training."
             )
-        if isinstance(callback, BaseFinetuning) and data_parallel_mode == "zero1" and data_parallel_size > 1:
+        if isinstance(callback, BaseFinetuning) and shards_optimizers:
             raise UnsupportedFeatureError(
                 f"{type(callback).__name__} (a BaseFinetuning callback) adds a parameter group during fit, which"
                 " data_parallel_mode='zero1' cannot take: its optimizer holds each dp rank's parts of the parameters"

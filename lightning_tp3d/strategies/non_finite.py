@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_tp3d._compat.torch import foreach_norm
 from lightning_tp3d.parallel.tensor import local_part
 
 __all__ = ["NonFiniteStepGuard", "NonFiniteStepsError", "hold_schedulers_on_skipped_steps", "release_schedulers"]
@@ -60,7 +61,7 @@ class NonFiniteStepGuard:
             bad.fill_(1.0)
         local_gradients = [local_part(parameter.grad) for parameter in parameters if parameter.grad is not None]
         if local_gradients:
-            norms = torch.stack([norm.float() for norm in torch._foreach_norm(local_gradients)])
+            norms = torch.stack([norm.float() for norm in foreach_norm(local_gradients)])
             if not bool(torch.isfinite(norms).all()):
                 bad.fill_(1.0)
         if dist.is_initialized() and dist.get_world_size() > 1:

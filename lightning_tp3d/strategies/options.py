@@ -16,12 +16,12 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_tp3d.parallel.data import DATA_PARALLEL_MODES
 from lightning_tp3d.parallel.paths import import_object
 from lightning_tp3d.parallel.pipeline import PipelineStages
+from lightning_tp3d.plan.data_parallel import choose_data_parallel
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET, check_recompute_options
-from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward, stages_per_rank_of
+from lightning_tp3d.plan.schedules import stages_per_rank_of
 
 __all__ = ["ParallelOptions"]
 
@@ -76,7 +76,8 @@ class ParallelOptions:
         pp, m = self.pipeline_parallel_size, self.num_microbatches
         ParallelLayout(tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=pp,
                        num_microbatches=m, layers_per_stage=self.layers_per_stage)
-        fsdp_reshards_after_forward(self.fsdp_reshard_after_forward, self.pipeline_schedule, pp)
+        choose_data_parallel(self.data_parallel_mode, 1, pp, self.overlap_gradient_reduction,
+                             self.fsdp_reshard_after_forward, self.pipeline_schedule)  # dp is known at launch
         if pp > 1:
             stages_per_rank_of(self.pipeline_schedule, pp, m, self.stages_per_rank)
             if m < pp:
@@ -91,10 +92,6 @@ class ParallelOptions:
                 " which training stops); turn the check off with skip_non_finite_steps=False."
             )
         check_recompute_options(self.recompute, self.recompute_method, self.recompute_num_layers)
-        if self.data_parallel_mode not in DATA_PARALLEL_MODES:
-            raise ValueError(
-                f"data_parallel_mode={self.data_parallel_mode!r} is not one of {list(DATA_PARALLEL_MODES)}."
-            )
         if self.pretrained is not None and not (self.pretrained / "config.json").is_file():
             raise FileNotFoundError(
                 f"pretrained={str(self.pretrained)!r} is not a Hugging Face folder (no config.json in it)."

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.distributed.tensor import DTensor
 
+from lightning_tp3d._compat.torch import loss_scale_tensor, non_finite_check_and_unscale_
 from lightning_tp3d.parallel.grad_norm import clip_grad_value_
 
 __all__ = ["ModelParallelGradScaler", "TP3DPrecision", "check_supported_precision", "current_loss_scale",
@@ -38,7 +39,7 @@ def current_loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | fl
     synchronisation, unlike `get_scale()`), its initial scale before the first step, 1 without scaling."""
     if scaler is None or not scaler.is_enabled():
         return 1.0
-    scale = scaler._get_scale_async()
+    scale = loss_scale_tensor(scaler)
     return scale if scale is not None else scaler.get_scale()
 
 
@@ -82,7 +83,7 @@ class ModelParallelGradScaler(torch.amp.GradScaler):
         with torch.no_grad():
             for (device, _), grads in local_grads.items():
                 found_on_device = found_inf.to(device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_on_device, inv_scale.to(device))
+                non_finite_check_and_unscale_(grads, found_on_device, inv_scale.to(device))
                 found_inf.copy_(torch.maximum(found_inf, found_on_device.to(found_inf.device)))
         if dist.is_initialized():
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)

@@ -17,6 +17,8 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.utilities.model_summary import ModelSummary
 
+from lightning_tp3d._compat.lightning import set_summary_layers, summary_flop_counts, summary_layers
+
 __all__ = ["WholeModelSummary"]
 
 
@@ -26,11 +28,11 @@ class WholeModelSummary(ModelSummary):
 
     def __init__(self, model: pl.LightningModule, max_depth: int, pp_group: dist.ProcessGroup) -> None:
         super().__init__(model, max_depth)
-        flops = self._flop_counter.get_flop_counts()  # keyed as Lightning's `flop_counts` reads them
+        flops = summary_flop_counts(self)
         local = {
             "rows": [(name, layer.layer_type, layer.num_parameters, layer.training, layer.in_size, layer.out_size,
                       sum(flops.get(f"{type(model).__name__}.{name}", {}).values()))
-                     for name, layer in self._layer_summary.items()],
+                     for name, layer in summary_layers(self).items()],
             "modules": {name: module.training for name, module in list(model.named_modules())[1:]},
             "parameters": super().total_parameters,
             "trainable": super().trainable_parameters,
@@ -49,7 +51,7 @@ class WholeModelSummary(ModelSummary):
                     rows[name] = [name, layer_type, parameters, training, in_size, out_size, flops]
             modules.update(stage["modules"])
         self._rows = list(rows.values())
-        self._layer_summary = dict.fromkeys(rows)  # Lightning numbers the table's rows by this dict's length
+        set_summary_layers(self, list(rows))  # Lightning numbers the table's rows by these names
         self._modules = modules
         self._totals = {key: sum(stage[key] for stage in stages) for key in ("parameters", "trainable", "flops")}
 

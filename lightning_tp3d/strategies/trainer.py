@@ -41,6 +41,7 @@ from lightning_tp3d._compat.lightning import (
     detects_anomaly,
     materialize_distributed_module,
     optimizers_to_device,
+    set_device_mesh,
     should_accumulate,
     update_dataloader,
 )
@@ -48,7 +49,7 @@ from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosit
 from lightning_tp3d.io.checkpoint import PendingSave
 from lightning_tp3d.parallel.paths import resolve_attribute
 from lightning_tp3d.parallel.pipeline import PipelineStages
-from lightning_tp3d.parallel.recompute import DEFAULT_SELECTIVE_TARGET
+from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.core import ParallelCore, model_config
 from lightning_tp3d.strategies.features import adapt_callbacks, check_lightning_features, check_network_is_not_compiled
@@ -79,13 +80,13 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
             counted as one layer each).
         data_parallel_size: model replicas; `"auto"` is world size / (tp x pp).
         data_parallel_mode: `"replicate"` (gradients all-reduced over dp, DDP semantics), `"fsdp"` (FSDP2:
-            parameters, gradients, optimizer state sharded over dp) or `"zero1"` (`parallel.zero`: the
+            parameters, gradients, optimizer state sharded over dp) or `"zero1"` (`parallel.data_parallel.zero`: the
             optimizer state and update split over dp with DDP's traffic; elementwise optimizers only).
         fsdp_reshard_after_forward: free a block's gathered parameters after its forward (FSDP2); None:
             yes without pipelining, no under it (gather once per step, keep the stage whole; see
             `plan.schedules.fsdp_reshards_after_forward`, refused with the split-backward schedules).
         overlap_gradient_reduction: in `"replicate"` mode without pipelining, all-reduce the gradients in
-            buckets while backward runs (as DDP does, `parallel.overlap`) instead of after it.
+            buckets while backward runs (as DDP does, `parallel.data_parallel.overlap`) instead of after it.
         tp_plan: module-name pattern -> `ParallelStyle` mapping, a function returning one, or its
             import path `"package.module:function"`; default: the plan for Hugging Face Llama names.
         model_attribute: attribute of the LightningModule holding the network to parallelise.
@@ -179,7 +180,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._setup_distributed_mesh()
         # `LightningModule.device_mesh` makes the mesh reachable from `configure_model` and the steps.
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self.lightning_module, self._device_mesh)
         if self._async_checkpoint and self._checkpoint_group is None:
             # The background writer's collectives need a group of their own: they overlap with training's.
             self._checkpoint_group = torch.distributed.new_group(backend="gloo")
@@ -253,7 +254,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         check_supported_precision(self.precision_plugin.precision, getattr(self.precision_plugin, "scaler", None),
                                   self.world_size)
-        check_lightning_features(trainer.callbacks, self.data_parallel_mode, self.layout, detects_anomaly(trainer))
+        check_lightning_features(trainer.callbacks, self.core.data_parallel.shards_optimizers, self.layout,
+                                 detects_anomaly(trainer))
         self.accelerator.setup(trainer)
         if isinstance(self.precision_plugin, TP3DPrecision):
             self.precision_plugin.bind_device(self.root_device.type)

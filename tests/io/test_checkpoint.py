@@ -38,8 +38,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_tp3d import MODEL_PRESETS, ModelConfig, TP3DFabricStrategy, TP3DStrategy
 from lightning_tp3d.cli import main as tp3d
 from lightning_tp3d.data import TokenDataModule
-from lightning_tp3d.io.checkpoint import CheckpointError, load_checkpoint, load_model_tensors, read_meta
-from lightning_tp3d.io.checkpoint_format import read_lightning_checkpoint
+from lightning_tp3d.io.checkpoint import load_checkpoint
+from lightning_tp3d.io.checkpoint_format import (
+    CheckpointError,
+    load_model_tensors,
+    read_lightning_checkpoint,
+    read_meta,
+)
 from lightning_tp3d.io.folders import MARKER_FILE
 from lightning_tp3d.models import CausalLMModule
 from tests.distributed import run_distributed

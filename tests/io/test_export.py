@@ -33,7 +33,8 @@ from lightning_tp3d.callbacks import ConsistencyCheck, ExportCallback
 from lightning_tp3d.cli import main as tp3d
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.diagnostics.consistency import fixed_prompts, model_from_checkpoint
-from lightning_tp3d.io.checkpoint import CheckpointMeta, save_checkpoint
+from lightning_tp3d.io.checkpoint import save_checkpoint
+from lightning_tp3d.io.checkpoint_format import CheckpointMeta
 from lightning_tp3d.io.deploy import write_deploy_shards
 from lightning_tp3d.io.export import export_checkpoint
 from lightning_tp3d.models import CausalLMModule

@@ -5,7 +5,7 @@ Grid: the seven schedules x {replicate, fsdp} x tp in {1, 2} at pp = 2 and dp = 
 processes, each spawned once), plus corners: gradient accumulation, full recompute, explicit
 `layers_per_stage`, `stages_per_rank = 3`, tied embeddings under tp, FSDP resharding after forward
 under 1F1B and FSDP keeping parameters gathered without pipelining, and ZeRO-1 (`zero1`) under every
-schedule but 1F1B (which `tests/parallel/test_zero.py` covers), with full recompute and tied
+schedule but 1F1B (which `tests/parallel/data_parallel/test_zero.py` covers), with full recompute and tied
 embeddings. For every configuration, on every rank (each dp replica, each stage): the losses of 5
 steps and every gradient the rank holds after step 1 against the single-process reference, per tensor
 with `torch.testing.assert_close` (rtol 1e-5, atol 1e-7, fp32).
@@ -22,7 +22,7 @@ import torch
 from lightning_tp3d import ModelConfig, TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
-from lightning_tp3d.parallel.pipeline import PIPELINE_SCHEDULES
+from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES
 from tests.distributed import run_distributed
 from tests.helpers import (
     LEARNING_RATE,

@@ -21,8 +21,9 @@ from lightning_tp3d import MODEL_PRESETS, ParallelLayout, TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.models.llama import LlamaForCausalLM
-from lightning_tp3d.parallel.recompute import apply_recompute, recomputed_layers
+from lightning_tp3d.parallel.recompute import apply_recompute
 from lightning_tp3d.plan.ledger import TrainingOptions, training_ledger
+from lightning_tp3d.plan.recompute import recomputed_layers
 from tests.distributed import run_distributed
 from tests.helpers import LEARNING_RATE, SEQ_LEN, CaptureGradients, MemoryLogger, trainer_kwargs, world_size
 

@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from lightning_tp3d._compat.torch import AsyncCollectiveTensor
 from lightning_tp3d.parallel.timing import DeviceInterval
 from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, PipelinePlan
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_tp3d.parallel.data import all_reduce_gradients
-from lightning_tp3d.parallel.overlap import OverlappedGradientReduction
+from lightning_tp3d.parallel.data_parallel.overlap import OverlappedGradientReduction
+from lightning_tp3d.parallel.data_parallel.replicate import all_reduce_gradients
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
@@ -66,7 +66,7 @@ def run_world() -> dict[str, Any]:
 
 
 def test_overlapped_reduction_launches_during_backward_and_equals_the_plain_all_reduce():
-    for rank in run_distributed(2, "tests.parallel.test_overlap:run_world"):
+    for rank in run_distributed(2, "tests.parallel.data_parallel.test_overlap:run_world"):
         assert rank["buckets"] == 3
         # When the first layer's weight gradient is computed, the buckets of the later layers are in flight.
         assert rank["launched_during_backward"] == [2]

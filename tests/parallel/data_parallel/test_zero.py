@@ -1,4 +1,4 @@
-"""`data_parallel_mode="zero1"` (`parallel.zero`): the optimizer's state and update split over dp.
+"""`data_parallel_mode="zero1"` (`parallel.data_parallel.zero`): the optimizer's state and update split over dp.
 
 One 4-process world. Parity with one process (losses of 5 steps and every gradient each rank holds
 after step 1, rtol 1e-5, plus the final weights) at (1, 1, 4) with global-norm clipping, (2, 1, 2)
@@ -141,7 +141,8 @@ def run_world(directory: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict[str, Any]]:
-    return run_distributed(WORLD, "tests.parallel.test_zero:run_world", str(tmp_path_factory.mktemp("zero")))
+    return run_distributed(WORLD, "tests.parallel.data_parallel.test_zero:run_world",
+                           str(tmp_path_factory.mktemp("zero")))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Gradient all-reduce overlapped with backward, in buckets, for the `replicate` dp mode (what DDP does).
+"""`data_parallel_mode="replicate"` overlapped with backward: the all-reduce in buckets, as DDP does.
 
 Parameters are grouped, in the reverse of their registration order (about the order backward produces
 their gradients), into buckets of at most `bucket_bytes` of one dtype. A post-accumulate-grad hook
@@ -24,12 +24,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_tp3d._compat.torch import flatten_dense_tensors, unflatten_dense_tensors
+from lightning_tp3d.parallel.data_parallel.protocol import DataParallel
+from lightning_tp3d.parallel.data_parallel.replicate import ReplicateAfterBackward
 from lightning_tp3d.parallel.tensor import local_part, shard_gradients_like_parameters
 from lightning_tp3d.plan.communication import BUCKET_BYTES
+from lightning_tp3d.plan.data_parallel import DataParallelPlan
 
-__all__ = ["OverlappedGradientReduction"]
+__all__ = ["OverlappedGradientReduction", "ReplicateOverlapped"]
 
 
 @dataclass
@@ -89,14 +93,14 @@ class OverlappedGradientReduction:
         grads = [local_part(parameter.grad) for parameter in with_gradients]
         if len(self._in_flight) >= self.max_in_flight:
             self._complete(self._in_flight.pop(0))
-        flat = _flatten_dense_tensors(grads)
+        flat = flatten_dense_tensors(grads)
         self._in_flight.append((dist.all_reduce(flat, group=self.dp_group, async_op=True), flat, grads))
 
     def _complete(self, pending: tuple[dist.Work, torch.Tensor, list[torch.Tensor]]) -> None:
         work, flat, grads = pending
         work.wait()
         flat.div_(self.dp_size)
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        for grad, reduced in zip(grads, unflatten_dense_tensors(flat, grads)):
             grad.copy_(reduced)
 
     @torch.no_grad()
@@ -114,3 +118,29 @@ class OverlappedGradientReduction:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+class ReplicateOverlapped(ReplicateAfterBackward):
+    """`OverlappedGradientReduction` on the parameters of the coming backward (rebuilt when they change);
+    gradients of a backward it was not armed for are all-reduced after it."""
+
+    def __init__(self, plan: DataParallelPlan, mesh: DeviceMesh) -> None:
+        super().__init__(plan, mesh)
+        self._reduction: OverlappedGradientReduction | None = None
+        self._parameter_ids: list[int] = []
+
+    def before_backward(self, parameters: Iterable[nn.Parameter], completes_gradients: bool) -> None:
+        parameters = [parameter for parameter in parameters if parameter.requires_grad]
+        if self._reduction is None or self._parameter_ids != [id(parameter) for parameter in parameters]:
+            if self._reduction is not None:
+                self._reduction.remove()
+            self._reduction = OverlappedGradientReduction(parameters, self.mesh["dp"].get_group(),
+                                                          self.plan.data_parallel_size)
+            self._parameter_ids = [id(parameter) for parameter in parameters]
+        self._reduction.sync = completes_gradients
+
+    def reduce_gradients(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+        if self._reduction is None:
+            return super().reduce_gradients(parameters)
+        self._reduction.finish()
+        return DataParallel.reduce_gradients(self, parameters)

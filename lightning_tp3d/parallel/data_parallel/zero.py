@@ -15,9 +15,10 @@ own storage. So the optimizer keeps state for 1/d of every parameter and updates
    rank holds the updated W again.
 
 Per step and dp rank: a reduce-scatter of the gradients ((d - 1) / d x d S per bucket) and an all-gather
-of the parameters ((d - 1) x S): 2 (d - 1) / d x P in all, a ring all-reduce's, DDP's. gloo has no
-reduce-scatter: there the bucket is all-reduced and the rank keeps its segment. A parameter tp splits
-and dp cannot cut (a 1-D column-parallel bias) is all-reduced whole and updated on every rank.
+of the parameters ((d - 1) x S): 2 (d - 1) / d x P in all, a ring all-reduce's, DDP's. Every backend runs
+the same calls (gloo carries its reduce-scatter out as an all-reduce of the bucket, see
+`plan.communication`). A parameter tp splits and dp cannot cut (a 1-D column-parallel bias) is
+all-reduced whole and updated on every rank.
 
 Only optimizers that update each element on its own (`ELEMENTWISE_OPTIMIZERS`) give the same update on
 parts as on the whole; others are refused. The optimizer's state dict is read and written through
@@ -37,14 +38,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from lightning_tp3d._compat.torch import all_gather_single, reduce_scatter_single
+from lightning_tp3d.parallel.data_parallel.protocol import DataParallel
 from lightning_tp3d.parallel.tensor import local_part
+from lightning_tp3d.plan.communication import BUCKET_BYTES
+from lightning_tp3d.plan.data_parallel import DataParallelPlan
 from lightning_tp3d.plan.optimizer_sharding import chunk_sizes, dp_split_dim, pack_buckets, part_sizes
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroOptimizerSharding"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizerState", "ZeroOptimizerSharding"]
 
-# torch 2.13 names them `*_single` (the `*_tensor` names warn there); older versions only have those.
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
                           torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -78,7 +80,6 @@ class ZeroOptimizerSharding:
         self.group = mesh["dp"].get_group()
         self.dp = mesh["dp"].size()
         self.rank = mesh["dp"].get_local_rank()
-        self._reduce_scatters = dist.get_backend(self.group) != "gloo"
         parts = [self._part(name, parameter) for name, parameter in named_parameters]
         dtypes = {part.local.dtype for part in parts}
         if len(dtypes) > 1:
@@ -145,12 +146,8 @@ class ZeroOptimizerSharding:
             for rank in range(self.dp):
                 self._pack(flat, bucket.segment * rank, rank, members, gradients)
             flat.div_(self.dp)
-            if self._reduce_scatters:
-                segment = flat.new_empty(bucket.segment)
-                _reduce_scatter(segment, flat, group=self.group)
-            else:
-                dist.all_reduce(flat, group=self.group)
-                segment = flat.narrow(0, bucket.segment * self.rank, bucket.segment)
+            segment = flat.new_empty(bucket.segment)
+            reduce_scatter_single(segment, flat, group=self.group)
             offset = 0
             for part in members:
                 local = part.shard.to_local()
@@ -190,7 +187,7 @@ class ZeroOptimizerSharding:
             mine = locals_[0].new_zeros(bucket.segment)
             self._pack(mine, 0, self.rank, members, locals_)
             gathered = mine.new_empty(bucket.payload(self.dp))
-            _all_gather(gathered, mine, group=self.group)
+            all_gather_single(gathered, mine, group=self.group)
             for rank in range(self.dp):
                 if rank == self.rank:
                     continue
@@ -199,6 +196,34 @@ class ZeroOptimizerSharding:
                     piece = part.piece(part.local, rank)
                     piece.copy_(gathered.narrow(0, offset, piece.numel()).view(piece.shape))
                     offset += piece.numel()
+
+
+class ShardedOptimizerState(DataParallel):
+    """`data_parallel_mode="zero1"` at dp > 1: `ZeroOptimizerSharding` of the parameters the optimizers hold."""
+
+    shards_optimizers = True
+
+    def __init__(self, plan: DataParallelPlan, mesh: DeviceMesh) -> None:
+        super().__init__(plan, mesh)
+        self._sharding: ZeroOptimizerSharding | None = None
+
+    def shard_optimizers(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        held = {id(parameter) for optimizer in optimizers for group in optimizer.param_groups
+                for parameter in group["params"]}
+        named = [(name, parameter) for name, parameter in module.named_parameters() if id(parameter) in held]
+        self._sharding = ZeroOptimizerSharding(named, self.mesh["dp", "tp"], BUCKET_BYTES)
+        self._sharding.shard(optimizers)
+
+    def reduce_gradients(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+        parameters = super().reduce_gradients(parameters)
+        return self._sharding.reduce_scatter_gradients() if self._sharding is not None else parameters
+
+    def after_optimizer_step(self) -> None:
+        if self._sharding is not None:
+            self._sharding.all_gather_parameters()
+
+    def optimizer_owner(self, module: nn.Module) -> nn.Module:
+        return self._sharding.state_module if self._sharding is not None else module
 
 
 def _like(shard: nn.Parameter, local: torch.Tensor) -> DTensor:

@@ -1,0 +1,47 @@
+"""`data_parallel_mode="fsdp"` (ZeRO-3): FSDP2 `fully_shard` on each block and then on each root.
+
+Parameters, gradients and optimizer state are split along dim 0 across dp ranks, the parameters
+gathered per unit for compute and the gradients reduce-scattered by FSDP2 itself. FSDP2 must wrap
+parameters that are already DTensors over tp, and its units must contain the recomputed code, so the
+recompute runs on unsharded parameters (`parallel.parallelize`'s order). Under pipelining each stage
+module is called directly, so each is an FSDP root of its own, and by default its parameters stay
+gathered through the step's micro-batches (once per step, not once per micro-batch, as torchtitan
+does; `plan.schedules.fsdp_reshards_after_forward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from lightning_tp3d.parallel.data_parallel.protocol import DataParallel
+
+__all__ = ["FullyShard", "apply_fsdp"]
+
+
+def apply_fsdp(roots: Iterable[nn.Module], dp_mesh: DeviceMesh, blocks: Iterable[nn.Module],
+               reshard_after_forward: bool = True) -> None:
+    """FSDP2 over `dp_mesh`: one unit per block (so only one block is gathered at a time), then each root
+    (the model, or every pipeline stage module), which takes the parameters outside the blocks.
+
+    `reshard_after_forward=False` keeps a unit's parameters gathered from its first forward until the
+    end of the step's backward. Pipelining needs it: a schedule runs the forwards of several
+    micro-batches between a unit's forward and its backward, and the zero-bubble schedules compute the
+    weight gradients in a separate pass after the input gradients. Resharding in between regathers the
+    parameters once per micro-batch and, with the split backward (torch 2.13), leaves the weight
+    gradients on parameters FSDP has already swapped out: they come back wrong or missing.
+    """
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    for root in roots:
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+
+
+class FullyShard(DataParallel):
+    """FSDP2 units over the mesh's "dp" dimension; the reduction is FSDP2's own."""
+
+    def wrap(self, roots: Sequence[nn.Module], blocks: Iterable[nn.Module]) -> None:
+        apply_fsdp(roots, self.mesh["dp"], blocks, reshard_after_forward=self.plan.reshard_after_forward)
