@@ -45,7 +45,8 @@ from lightning_tp3d.parallel.grad_norm import clip_grad_value_
 from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
-from lightning_tp3d.strategies.core import ParallelCore, model_config
+from lightning_tp3d.strategies.checkpointing import model_config
+from lightning_tp3d.strategies.core import ParallelCore
 from lightning_tp3d.strategies.options import ParallelOptions
 from lightning_tp3d.strategies.precision import check_supported_precision, current_loss_scale
 

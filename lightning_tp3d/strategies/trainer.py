@@ -51,7 +51,8 @@ from lightning_tp3d.parallel.paths import resolve_attribute
 from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
-from lightning_tp3d.strategies.core import ParallelCore, model_config
+from lightning_tp3d.strategies.checkpointing import model_config
+from lightning_tp3d.strategies.core import ParallelCore
 from lightning_tp3d.strategies.features import adapt_callbacks, check_lightning_features, check_network_is_not_compiled
 from lightning_tp3d.strategies.loss_watch import ResumeLossWatch
 from lightning_tp3d.strategies.non_finite import hold_schedulers_on_skipped_steps, release_schedulers

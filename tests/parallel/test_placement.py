@@ -28,7 +28,6 @@ def _placement_checks() -> dict[str, object]:
 
     from lightning_tp3d.models.llama import LlamaForCausalLM
     from lightning_tp3d.parallel.grad_norm import global_grad_norm
-    from lightning_tp3d.parallel.mesh import build_device_mesh
     from lightning_tp3d.plan.config import MODEL_PRESETS
     from lightning_tp3d.strategies.core import ParallelCore
     from tests.device_guard import DeviceMismatch, collectives_on
@@ -36,7 +35,7 @@ def _placement_checks() -> dict[str, object]:
     dist.init_process_group("fake", store=FakeStore(), rank=FAKE_RANKS[int(os.environ["RANK"])], world_size=8)
     device = torch.device("meta")
     core = ParallelCore(tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2)
-    core._mesh = build_device_mesh(core.resolve_layout(8), "cpu")
+    core.setup_mesh(8, "cpu", None)
     with device:
         network = LlamaForCausalLM(MODEL_PRESETS["tiny"])
     core.parallelize(network, network.config, lambda: 1.0, device)

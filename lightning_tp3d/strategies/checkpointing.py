@@ -1,0 +1,112 @@
+"""The core's checkpoint states: what a sharded checkpoint holds of the module, its optimizers, the random
+states and the data position, and how a load puts them back at any layout.
+
+The module's state dict and each optimizer's flattened one are this rank's shards keyed by global name
+(`state.<name>.exp_avg`, not by position), so DCP reshards them to any (tp, pp, dp) and any data-parallel
+mode; under ZeRO-1 the optimizers hold parts of the parameters and are read through
+`DataParallel.optimizer_owner`, a module tree of the parts under the same names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from lightning_tp3d.io.checkpoint import load_checkpoint, load_rng_state
+from lightning_tp3d.io.checkpoint_format import MODEL_GROUP, CheckpointMeta
+from lightning_tp3d.io.random_state import restore_rng_state
+from lightning_tp3d.plan.layout import ParallelLayout
+
+__all__ = ["FLAT_OPTIMIZER_STATE", "UNSTEPPED", "load_states", "model_config", "network_config_record",
+           "optimizer_state", "restore_random_states", "sharded_state"]
+
+# Flattened optimizer state is keyed by parameter name (`state.<name>.exp_avg`), not by position, so the
+# state of a stage's parameters is found again under any pipeline split.
+FLAT_OPTIMIZER_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
+# The flag in a saved optimizer state telling that the optimizer had taken no step (see `optimizer_state`).
+UNSTEPPED = "tp3d_unstepped"
+
+_MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads")
+
+
+def model_config(*owners: nn.Module | None) -> Any | None:
+    """The first `config` with the decoder's shape fields found on `owners` (network, LightningModule)."""
+    for owner in owners:
+        config = getattr(owner, "config", None)
+        if config is not None and all(hasattr(config, field) for field in _MODEL_SHAPE_FIELDS):
+            return config
+    return None
+
+
+def network_config_record(network: nn.Module) -> dict[str, Any] | None:
+    """The network's config as `meta.json` records it; a `transformers` config with its architecture, so
+    that an export writes the model's own `config.json`."""
+    config = model_config(network)
+    record = config.to_dict() if hasattr(config, "to_dict") else None
+    if record is not None and "model_type" in record and not record.get("architectures"):
+        record["architectures"] = [type(network).__name__]
+    return record
+
+
+def optimizer_state(owner: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer`'s flattened state dict (its parameters are `owner`'s), with `UNSTEPPED`: whether it has
+    taken no step. torch builds a missing state with a step at learning rate 0, after which Adam's step
+    count would start at 1 (its bias correction off for the whole run): such an optimizer is left without
+    state, and so is one loaded from its checkpoint (`load_states`)."""
+    unstepped = not optimizer.state and all(parameter.grad is None for group in optimizer.param_groups
+                                            for parameter in group["params"])
+    state = get_optimizer_state_dict(owner, optimizer, options=FLAT_OPTIMIZER_STATE)
+    if unstepped:
+        optimizer.state.clear()
+    return {**state, UNSTEPPED: unstepped}
+
+
+def sharded_state(model_state: dict[str, Any], optimizer_states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The groups `io.checkpoint` writes and reads: the module and each (flattened) optimizer."""
+    optimizers = {f"optimizer_{index}": state for index, state in enumerate(optimizer_states)}
+    return {MODEL_GROUP: model_state, **optimizers}
+
+
+def load_states(path: Path, module: nn.Module, owner: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                strict: bool, verify: bool) -> tuple[CheckpointMeta, dict[str, Any]]:
+    """Fill `module` and `optimizers` (whose parameters are `owner`'s) from the checkpoint at `path`, of any
+    layout; return its meta and the saved trainer state."""
+    model_state = get_model_state_dict(module)
+    optimizer_states = [optimizer_state(owner, optimizer) for optimizer in optimizers]
+    for state in optimizer_states:
+        state[UNSTEPPED] = False  # unless the checkpoint says so
+    meta, trainer_state = load_checkpoint(path, sharded_state(model_state, optimizer_states), strict=strict,
+                                          verify=verify)
+    set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
+    for optimizer, state in zip(optimizers, optimizer_states):
+        unstepped = state.pop(UNSTEPPED)
+        set_optimizer_state_dict(owner, optimizer, state, options=FLAT_OPTIMIZER_STATE)
+        if unstepped:
+            optimizer.state.clear()
+    return meta, trainer_state
+
+
+def restore_random_states(path: Path, meta: CheckpointMeta, layout: ParallelLayout, global_rank: int) -> None:
+    """This rank's random states from the checkpoint when it was saved at `layout`'s sizes; otherwise they
+    belong to other ranks, and a warning says so."""
+    current = (layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size)
+    if meta.parallel_sizes == current:
+        restore_rng_state(load_rng_state(path, global_rank))
+        return
+    rank_zero_warn(
+        f"Resharding checkpoint {path}: saved at (tp, pp, dp) = {meta.parallel_sizes}, loading at {current}."
+        " Model and optimizer state are resharded; random states belong to the old ranks and are not restored."
+    )

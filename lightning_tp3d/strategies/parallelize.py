@@ -1,0 +1,107 @@
+"""`parallelize_network`: one network made parallel over the ("pp", "dp", "tp") mesh, in torchtitan's order.
+
+    1. pipeline split      this rank's stages of the network (`parallel.pipeline.split`)
+    2. tensor parallel     DTensor weights over tp (`parallel.tensor`)
+    3. recompute           activation checkpointing per block (`parallel.recompute`)
+    4. data parallel       `DataParallel.wrap`: FSDP2 units around the recomputed blocks (it must wrap
+                           parameters that are already DTensors, and its units must contain the
+                           recomputed code, so the recompute runs on unsharded parameters)
+    5. pipelined forward   `network(input_ids, labels=...)` runs the schedule (`parallel.pipeline.forward`)
+    6. materialise         a network built on the meta device gets this rank's shard only, initialised
+                           from its seed and global names (`parallel.materialize`)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_tp3d.models.huggingface import HuggingFaceStages, is_huggingface_causal_lm
+from lightning_tp3d.models.llama import causal_lm_loss
+from lightning_tp3d.parallel.data_parallel import DataParallel
+from lightning_tp3d.parallel.materialize import materialize_network
+from lightning_tp3d.parallel.paths import indexed_blocks, resolve_attribute
+from lightning_tp3d.parallel.pipeline import (
+    GradientHandOver,
+    PipelineRunner,
+    PipelineStages,
+    install_pipelined_forward,
+    split_network,
+)
+from lightning_tp3d.parallel.recompute import recompute_network_layers
+from lightning_tp3d.parallel.tensor import (
+    TensorParallelPlan,
+    apply_tensor_parallel,
+    check_plan_matches,
+    plan_entries_present,
+)
+from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
+from lightning_tp3d.plan.schedules import PipelinePlan, plan_pipeline
+from lightning_tp3d.strategies.options import ParallelOptions
+
+__all__ = ["ParallelNetwork", "parallelize_network"]
+
+ParallelNetwork = tuple[PipelineRunner | None, GradientHandOver | None]
+
+
+def parallelize_network(network: nn.Module, config: Any | None, layout: ParallelLayout, mesh: DeviceMesh,
+                        options: ParallelOptions, tp_plan: TensorParallelPlan, data_parallel: DataParallel,
+                        loss_scale: Callable[[], torch.Tensor | float], device: torch.device) -> ParallelNetwork:
+    """Make `network` parallel in place, in the module docstring's order; `config` (its shape, if known) is
+    checked against the layout. `loss_scale()` is what the pipeline schedule multiplies the loss by before
+    its backward (fp16 scale / accumulation). Returns the pipeline runner and the gradient hand-over
+    (None, None without pipelining)."""
+    if layout.tensor_parallel_size > 1:
+        check_plan_matches(network, tp_plan)
+    stage_modules: list[nn.Module] = []
+    pipeline_plan = None
+    stages = options.pipeline_stages or (HuggingFaceStages() if is_huggingface_causal_lm(network)
+                                         else PipelineStages())
+    if layout.pipeline_parallel_size > 1:
+        pipeline_plan, stage_modules = _split_pipeline(network, config, layout, mesh, options, stages)
+    elif config is not None:
+        layout.validate_model(config)
+    layers = _layers(network, options)  # this rank's blocks once split
+    if layout.tensor_parallel_size > 1:
+        apply_tensor_parallel(network, mesh["tp"], plan_entries_present(network, tp_plan))
+    if options.recompute != "none":
+        stage_layers = pipeline_plan.layer_ranges if pipeline_plan is not None else [sorted(indexed_blocks(layers))]
+        recompute_network_layers(layers, stage_layers, options.recompute, options.recompute_method,
+                                 options.recompute_num_layers, options.recompute_target)
+    data_parallel.wrap(stage_modules or [network], indexed_blocks(layers).values())
+    pipeline, handover = None, None
+    if pipeline_plan is not None:
+        loss_fn = stages.loss_function(network) or causal_lm_loss
+        pipeline = PipelineRunner(stage_modules, pipeline_plan, layout.num_microbatches, loss_fn,
+                                  mesh["pp"].get_group(), device)
+        handover = install_pipelined_forward(network, pipeline, loss_scale, stages)
+    materialize_network(network, device)
+    return pipeline, handover
+
+
+def _layers(network: nn.Module, options: ParallelOptions) -> nn.ModuleDict | nn.ModuleList:
+    return resolve_attribute(network, options.layers_attribute, "layers_attribute")
+
+
+def _split_pipeline(network: nn.Module, config: Any | None, layout: ParallelLayout, mesh: DeviceMesh,
+                    options: ParallelOptions, stages: PipelineStages) -> tuple[PipelinePlan, list[nn.Module]]:
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        raise LayoutError(
+            "tie_word_embeddings=True with pipeline_parallel_size > 1 is not supported: the embedding and the"
+            " head live on different stages; untie them or use pipeline_parallel_size=1."
+        )
+    num_layers = len(_layers(network, options))
+    plan = plan_pipeline(
+        options.pipeline_schedule, layout.pipeline_parallel_size, mesh.get_local_rank("pp"),
+        layout.num_microbatches, options.stages_per_rank,
+        lambda stages_total: layout.stage_layer_ranges(num_layers, stages_total),
+    )
+    if config is not None:
+        layout.validate_model(config, plan.num_stages)
+    pieces = split_network(network, plan, options.layers_attribute, options.pipeline_first_modules,
+                           options.pipeline_last_modules)
+    return plan, [stages.stage_module(network, first, blocks, last) for first, blocks, last in pieces]
