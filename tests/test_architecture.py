@@ -27,6 +27,7 @@ ALLOWED = {
     "diagnostics": {"_compat", "plan", "parallel", "models", "io", "diagnostics"},
     "strategies": {"_compat", "plan", "parallel", "data", "models", "io", "diagnostics", "strategies"},
     "callbacks": {"_compat", "plan", "parallel", "data", "models", "io", "diagnostics", "strategies", "callbacks"},
+    "cli": {"_compat", "plan", "parallel", "data", "models", "io", "diagnostics", "strategies", "callbacks", "cli"},
 }
 MAX_MODULE_LINES = 400
 

@@ -1,7 +1,7 @@
 """Lightning callbacks: export and consistency checks at the end of fit, the throughput monitor,
 plain-text loss lines and the per-group traffic of a step."""
 
-from lightning_tp3d.callbacks.deploy import ConsistencyCheck, ExportCallback
+from lightning_tp3d.callbacks.export import ConsistencyCheck, ExportCallback
 from lightning_tp3d.callbacks.monitor import TP3DThroughputMonitor
 from lightning_tp3d.callbacks.progress import PrintLosses
 from lightning_tp3d.callbacks.traffic import RecordTraffic

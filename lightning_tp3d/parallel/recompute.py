@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tp3d.parallel.paths import find_attribute, indexed_blocks
+from lightning_tp3d.parallel.attributes import find_attribute, indexed_blocks
 from lightning_tp3d.plan.recompute import (
     DEFAULT_SELECTIVE_TARGET,
     recomputed_layers,

@@ -38,8 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from lightning_tp3d.parallel.attributes import import_object
 from lightning_tp3d.parallel.materialize import retie, tied_parameter_groups
-from lightning_tp3d.parallel.paths import import_object
 from lightning_tp3d.plan.sharding import EMBEDDING, HEAD, LAYER_WEIGHTS
 
 __all__ = [

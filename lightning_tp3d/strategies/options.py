@@ -16,7 +16,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_tp3d.parallel.paths import import_object
+from lightning_tp3d.parallel.attributes import import_object
 from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.plan.data_parallel import choose_data_parallel
 from lightning_tp3d.plan.layout import ParallelLayout

@@ -22,9 +22,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp3d.models.huggingface import HuggingFaceStages, is_huggingface_causal_lm
 from lightning_tp3d.models.llama import causal_lm_loss
+from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.data_parallel import DataParallel
 from lightning_tp3d.parallel.materialize import materialize_network
-from lightning_tp3d.parallel.paths import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.pipeline import (
     GradientHandOver,
     PipelineRunner,

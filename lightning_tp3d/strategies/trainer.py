@@ -47,7 +47,7 @@ from lightning_tp3d._compat.lightning import (
 )
 from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosition
 from lightning_tp3d.io.checkpoint import PendingSave
-from lightning_tp3d.parallel.paths import resolve_attribute
+from lightning_tp3d.parallel.attributes import resolve_attribute
 from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in

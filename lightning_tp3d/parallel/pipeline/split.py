@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lightning_tp3d.parallel.paths import resolve_attribute, set_attribute
+from lightning_tp3d.parallel.attributes import resolve_attribute, set_attribute
 from lightning_tp3d.plan.schedules import PipelinePlan
 
 __all__ = ["StageModule", "prune_to_stages", "split_network"]

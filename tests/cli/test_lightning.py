@@ -16,7 +16,7 @@ from tests.helpers import LEARNING_RATE, SEQ_LEN, reference_run
 
 pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
 
-REPOSITORY = Path(__file__).resolve().parent.parent
+REPOSITORY = Path(__file__).resolve().parents[2]
 EXAMPLES = REPOSITORY / "examples"
 STEPS = 3
 OVERRIDES = ["--trainer.max_steps", str(STEPS), "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches",

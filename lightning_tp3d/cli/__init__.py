@@ -9,7 +9,7 @@
     tp3d plan deepseek-llm-67b --serve --gpu-memory 80GiB --max-model-len 4096 --deploy-tp 4 8
     torchrun --nproc-per-node 8 -m lightning_tp3d.cli doctor --tp 2 --pp 2
 
-`fit`, `validate`, `test` and `predict` run LightningCLI (see `lightning_tp3d.lightning_cli`).
+`fit`, `validate`, `test` and `predict` run LightningCLI (see `lightning_tp3d.cli.lightning`).
 `plan` validates a layout against a model (a preset or a Hugging Face config.json) and prints the
 per-rank memory ledger for training and the serving alignment, without starting any process.
 `plan --serve` sizes a server: weights and KV cache per GPU for each deploy tensor-parallel size, the
@@ -30,7 +30,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from lightning_tp3d.cli_plan import SERVING_DTYPE, plan_parser
+from lightning_tp3d.cli.plan import SERVING_DTYPE, plan_parser
 from lightning_tp3d.io.checkpoint_format import CheckpointError
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.units import parse_size
@@ -213,7 +213,7 @@ _LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _LIGHTNING_SUBCOMMANDS:
-        from lightning_tp3d.lightning_cli import run_lightning_cli
+        from lightning_tp3d.cli.lightning import run_lightning_cli
 
         return run_lightning_cli(argv)
     parser = argparse.ArgumentParser(prog="tp3d", description="3-D parallel training for Lightning")
@@ -230,6 +230,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tp3d {args.command}: error: {error}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
