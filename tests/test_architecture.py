@@ -4,6 +4,7 @@ per name, private names of the libraries only in `_compat`, the data-parallel mo
 import ast
 import dataclasses
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -181,8 +182,8 @@ def _module_file(module: str) -> Path:
 def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
     """One import path per name: a module's `__all__` lists what it defines; a package's `__init__` may
     gather names of its own modules (and the top-level package the public API); `_compat` gives the
-    libraries' private names public ones. Checked for every import of the package, its tests, benchmarks
-    and examples."""
+    libraries' private names public ones. Checked for every import of the package, its tests, benchmarks,
+    examples and the Python blocks of the README and docs."""
     for file, tree in _modules(PACKAGE).items():
         exported = next((ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
                          and any(getattr(target, "id", None) == "__all__" for target in node.targets)), [])
@@ -195,15 +196,20 @@ def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
                 continue
             assert file.name == "__init__.py" and source.startswith(package + "."), (
                 f"{package} re-exports {name} from {source}")
+    trees = {}
     for root in (PACKAGE, PACKAGE.parent / "tests", PACKAGE.parent / "benchmarks", PACKAGE.parent / "examples"):
-        for file, tree in _modules(root).items():
-            for node in ast.walk(tree):
-                if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_tp3d")):
-                    continue
-                target = _module_file(node.module)
-                if target.name == "__init__.py" or "_compat" in target.parts:
-                    continue
-                defined = _top_level_names(ast.parse(target.read_text()))
-                for alias in node.names:
-                    assert alias.name in defined or _module_file(f"{node.module}.{alias.name}").exists(), (
-                        f"{file}:{node.lineno} imports {alias.name} from {node.module}, which does not define it")
+        trees.update(_modules(root))
+    for page in [PACKAGE.parent / "README.md", *sorted((PACKAGE.parent / "docs").glob("*.md"))]:
+        for index, block in enumerate(re.findall(r"^```python\n(.*?)^```", page.read_text(), re.M | re.S)):
+            trees[page.with_name(f"{page.name} block {index}")] = ast.parse(block)
+    for file, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_tp3d")):
+                continue
+            target = _module_file(node.module)
+            if target.name == "__init__.py" or "_compat" in target.parts:
+                continue
+            defined = _top_level_names(ast.parse(target.read_text()))
+            for alias in node.names:
+                assert alias.name in defined or _module_file(f"{node.module}.{alias.name}").exists(), (
+                    f"{file}:{node.lineno} imports {alias.name} from {node.module}, which does not define it")
