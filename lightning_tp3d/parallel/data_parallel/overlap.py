@@ -131,12 +131,13 @@ class ReplicateOverlapped(ReplicateAfterBackward):
 
     def before_backward(self, parameters: Iterable[nn.Parameter], completes_gradients: bool) -> None:
         parameters = [parameter for parameter in parameters if parameter.requires_grad]
-        if self._reduction is None or self._parameter_ids != [id(parameter) for parameter in parameters]:
+        parameter_ids = [id(parameter) for parameter in parameters]
+        if self._reduction is None or self._parameter_ids != parameter_ids:
             if self._reduction is not None:
                 self._reduction.remove()
             self._reduction = OverlappedGradientReduction(parameters, self.mesh["dp"].get_group(),
                                                           self.plan.data_parallel_size)
-            self._parameter_ids = [id(parameter) for parameter in parameters]
+            self._parameter_ids = parameter_ids
         self._reduction.sync = completes_gradients
 
     def reduce_gradients(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
