@@ -34,7 +34,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
-from lightning_tp3d.parallel.tensor import apply_tensor_parallel, llama_tp_plan
+from lightning_tp3d.models.adapter import llama_tp_plan
+from lightning_tp3d.parallel.tensor import apply_tensor_parallel
 
 from common import CONFIG, MACHINE, StepRecorder, benchmark_trainer
 

@@ -5,6 +5,7 @@ import ast
 import dataclasses
 import inspect
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -63,14 +64,19 @@ def test_every_folder_is_a_known_layer_and_no_module_is_long() -> None:
 
 
 @pytest.mark.parametrize("strategy", [TP3DStrategy, TP3DFabricStrategy])
-def test_strategy_signatures_carry_every_option_with_its_default(strategy: type) -> None:
+def test_strategy_signatures_and_docstrings_are_read_from_the_one_declaration(strategy: type) -> None:
     parameters = inspect.signature(strategy).parameters
+    hints = typing.get_type_hints(ParallelOptions)
     for field in dataclasses.fields(ParallelOptions):
         assert field.name in parameters, f"{strategy.__name__} lacks {field.name}"
-        default = parameters[field.name].default
-        assert default == field.default, f"{strategy.__name__}.{field.name}: {default!r} != {field.default!r}"
+        parameter = parameters[field.name]
+        assert parameter.default == field.default, f"{strategy.__name__}.{field.name}: {parameter.default!r}"
+        assert parameter.annotation == hints[field.name] and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        assert f"    {field.name}: {field.metadata['help'][:40]}" in strategy.__doc__
     adapter_only = set(parameters) - {field.name for field in dataclasses.fields(ParallelOptions)}
     assert adapter_only <= {"model_attribute", "async_checkpoint", "process_group_backend", "timeout"}
+    for name in adapter_only:
+        assert f"    {name}: " in strategy.__doc__
 
 
 def test_options_are_handed_over_whole_and_normalised() -> None:
@@ -80,9 +86,9 @@ def test_options_are_handed_over_whole_and_normalised() -> None:
     assert (options.tensor_parallel_size, options.pipeline_parallel_size, options.num_microbatches) == (2, 2, 2)
     assert options.layers_per_stage == (1, 1) and options.pipeline_first_modules == ("model.embed_tokens",)
     assert options.recompute == "full"
-    with pytest.raises(TypeError, match=r"no value for \['preflight'\]"):
-        ParallelOptions.from_arguments({field.name: field.default for field in dataclasses.fields(ParallelOptions)
-                                        if field.name != "preflight"})
+    with pytest.raises(TypeError, match=r"TP3DStrategy got an unknown option 'tensor_paralel_size'; did you mean"
+                                        r" 'tensor_parallel_size'\?"):
+        TP3DStrategy(tensor_paralel_size=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.recompute = "none"
 
@@ -213,3 +219,68 @@ def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
             for alias in node.names:
                 assert alias.name in defined or _module_file(f"{node.module}.{alias.name}").exists(), (
                     f"{file}:{node.lineno} imports {alias.name} from {node.module}, which does not define it")
+
+
+# Every place the package replaces a function or method of an object it did not create, with the reason no
+# hook serves. Keys: (module, what is replaced). The test below finds them all; a new one needs a reason here.
+RUNTIME_PATCHES = {
+    ("strategies/precision.py", "plugin.clip_grad_by_norm"): "Lightning clips through the precision plugin, which"
+        " sees only local gradients; no strategy hook sits between the module's clip request and the clip",
+    ("strategies/precision.py", "plugin.clip_grad_by_value"): "as clip_grad_by_norm: the dp reduction must come"
+        " first under manual optimization",
+    ("strategies/non_finite.py", "module.lr_scheduler_step"): "Lightning steps step-interval LR schedulers after"
+        " every optimizer step, skipped or not; the module's own hook is wrapped on the instance and restored",
+    ("parallel/pipeline/forward.py", "network.forward"): "the LightningModule calls `self.model(...)` unchanged;"
+        " under pipelining that call must run the schedule, and a forward hook cannot skip the forward",
+    ("parallel/recompute.py", "block.forward"): "checkpoint the block's forward in place: torch's"
+        " checkpoint_wrapper adds `_checkpoint_wrapped_module` to every parameter name",
+    ("parallel/recompute.py", "target.forward"): "as block.forward, for the selective target module",
+    ("parallel/recompute.py", "setattr(owner)"): "as block.forward, for a selective target that is a method",
+    ("parallel/pipeline/runner.py", "setattr(stage)"): "torch's PipelineStage has no hook around its chunk"
+        " computations; the timing of compute against idle needs one",
+    ("diagnostics/traffic.py", "setattr(c10d)"): "gloo's flight recorder records no point-to-point sends; the"
+        " traffic recorder counts them while it records, and restores the functions",
+    ("diagnostics/traffic.py", "setattr(dist)"): "as setattr(c10d), for the names torch.distributed exports",
+    ("_compat/lightning.py", "callback._summary"): "see the `_compat.lightning` docstring: ModelSummary",
+    ("_compat/lightning.py", "_saving.pl_load"): "see the `_compat.lightning` docstring: load_from_checkpoint",
+    ("_compat/lightning.py", "BaseFinetuning.filter_on_optimizer"): "see the `_compat.lightning` docstring",
+}
+
+
+def _runtime_patches(file: Path, tree: ast.Module) -> set[tuple[str, str]]:
+    """Assignments of a function to an attribute of another object: `x.name = f`, `setattr(x, name, f)`,
+    where f is a function of this file, `types.MethodType(...)`, `staticmethod(...)`, a call of a wrapper of
+    this file (a function defining a function), or a variable holding one of those."""
+    definitions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    functions = {node.name for node in definitions}
+    wrappers = {node.name for node in definitions
+                if any(isinstance(inner, (ast.FunctionDef, ast.Lambda)) for inner in ast.walk(node) if inner is not node)}
+
+    def makes_function(value: ast.expr) -> bool:
+        if isinstance(value, ast.Name):
+            return value.id in functions or value.id in wrapped_names
+        if isinstance(value, ast.Call):
+            called = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", "")
+            return called in {"MethodType", "staticmethod"} or called in wrappers
+        return False
+
+    wrapped_names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and makes_function(node.value):
+            wrapped_names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+    relative = str(file.relative_to(PACKAGE))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and makes_function(node.value):
+            for target in node.targets:
+                if isinstance(target, ast.Attribute) and getattr(target.value, "id", None) not in ("self", "cls"):
+                    found.add((relative, ast.unparse(target)))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) == 3
+              and makes_function(node.args[2]) and getattr(node.args[0], "id", None) not in ("self", "cls")):
+            found.add((relative, f"setattr({ast.unparse(node.args[0])})"))
+    return found
+
+
+def test_run_time_patches_are_the_listed_ones_each_with_its_reason() -> None:
+    found = set().union(*(_runtime_patches(file, tree) for file, tree in _modules(PACKAGE).items()))
+    assert found == set(RUNTIME_PATCHES), (sorted(found - set(RUNTIME_PATCHES)), sorted(set(RUNTIME_PATCHES) - found))

@@ -21,7 +21,6 @@ from typing import Any
 import lightning.pytorch.core.saving as _saving
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl as ParallelBackwardSyncControl
 from lightning.fabric.utilities.init import _materialize_distributed_module as materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
 
 __all__ = [
@@ -32,7 +31,6 @@ __all__ = [
     "detects_anomaly",
     "log_metrics",
     "materialize_distributed_module",
-    "optimizers_to_device",
     "read_checkpoint_folders_with",
     "set_device_mesh",
     "setup_process_groups",

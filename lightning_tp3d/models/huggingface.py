@@ -14,25 +14,33 @@ whose `.loss` is the batch loss (logits are only returned by calls without label
 
 Attention masks with padding are refused under pipelining (every micro-batch must be full causal
 sequences); per-layer attention types (Qwen2's sliding-window layers) are refused when they differ.
+
+`HuggingFaceCausalLMAdapter` is the family's `ModelAdapter`: Llama's names and tensor-parallel plan (Llama,
+Mistral, Qwen2 share them), these stages, and the model's own config (with its architecture) recorded for
+the export's `config.json`.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.parallel.pipeline.stages import PipelineStages, StageLoss
 
-__all__ = ["HuggingFaceStages", "is_huggingface_causal_lm"]
+__all__ = ["HuggingFaceCausalLMAdapter", "HuggingFaceStages", "is_huggingface_causal_lm"]
 
 
 def is_huggingface_causal_lm(network: nn.Module) -> bool:
-    """A `transformers` model of the `XForCausalLM` shape (decoder under `model`, head `lm_head`)."""
-    return (type(network).__module__.startswith("transformers.") and hasattr(network, "lm_head")
-            and hasattr(getattr(network, "model", None), "rotary_emb"))
+    """A `transformers.PreTrainedModel` of the `XForCausalLM` shape (decoder under `model` with its rotary
+    table, head `lm_head`). A network can only be one if `transformers` is already imported."""
+    transformers = sys.modules.get("transformers")
+    return (transformers is not None and isinstance(network, transformers.PreTrainedModel)
+            and hasattr(network, "lm_head") and hasattr(getattr(network, "model", None), "rotary_emb"))
 
 
 class _HuggingFaceStage(nn.Module):
@@ -101,3 +109,29 @@ class HuggingFaceStages(PipelineStages):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class HuggingFaceCausalLMAdapter(ModelAdapter):
+    """The `transformers` causal LMs of the Llama shape (see the module docstring)."""
+
+    @classmethod
+    def matches(cls, network: nn.Module) -> bool:
+        return is_huggingface_causal_lm(network)
+
+    @property
+    def name(self) -> str:
+        return "Hugging Face causal LM"
+
+    def default_pipeline_stages(self) -> PipelineStages:
+        return HuggingFaceStages()
+
+    def config_record(self, network: nn.Module) -> dict[str, Any] | None:
+        """The `transformers` config with the architecture filled in, so the export's `config.json` builds
+        the same class."""
+        config = self.config(network)
+        if config is None:
+            return None
+        record = config.to_dict()
+        if not record.get("architectures"):
+            record["architectures"] = [type(network).__name__]
+        return record

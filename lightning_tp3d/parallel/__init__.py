@@ -4,7 +4,6 @@ from lightning_tp3d.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from lightning_tp3d.parallel.tensor import (
     TensorParallelPlan,
     apply_tensor_parallel,
-    llama_tp_plan,
     resolve_tp_plan,
     shard_gradients_like_parameters,
 )
@@ -14,7 +13,6 @@ __all__ = [
     "apply_tensor_parallel",
     "clip_grad_norm_",
     "global_grad_norm",
-    "llama_tp_plan",
     "resolve_tp_plan",
     "shard_gradients_like_parameters",
 ]

@@ -1,6 +1,6 @@
 """Tensor parallelism with DTensor: a plan maps module-name patterns to parallel styles.
 
-The default plan for Llama names is Megatron's:
+The plan a model family uses is its adapter's (`models.adapter.llama_tp_plan` for Llama names, Megatron's):
 
 * q/k/v and gate/up projections are column parallel: Y = X A with A = [A_1, ..., A_t] split along its
   output dimension (the weight along dim 0); tp rank r computes Y_r = X A_r, i.e. its own heads / its
@@ -36,11 +36,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_tp3d.parallel.attributes import import_object
 from lightning_tp3d.parallel.materialize import retie, tied_parameter_groups
-from lightning_tp3d.plan.sharding import EMBEDDING, HEAD, LAYER_WEIGHTS
 
 __all__ = [
     "ReplicateBlockInput",
@@ -48,7 +47,6 @@ __all__ = [
     "TensorParallelPlan",
     "apply_tensor_parallel",
     "check_plan_matches",
-    "llama_tp_plan",
     "plan_entries_present",
     "resolve_tp_plan",
     "shard_gradients_like_parameters",
@@ -82,26 +80,12 @@ def _replicate_input(mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...],
     return args, kwargs
 
 
-def llama_tp_plan() -> dict[str, ParallelStyle]:
-    """Plan for Hugging Face Llama names, relative to the `LlamaForCausalLM` root, from the split table
-    `plan.sharding` (the one the deploy shards and the ledger use)."""
-    plan: dict[str, ParallelStyle] = {
-        EMBEDDING.module: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        HEAD.module: ColwiseParallel(output_layouts=Replicate()),
-    }
-    layer_styles = {"column": ColwiseParallel, "row": RowwiseParallel}
-    for sub_block in sorted({weight.module.split(".")[0] for weight in LAYER_WEIGHTS if weight.split == "column"}):
-        plan[f"model.layers.*.{sub_block}"] = ReplicateBlockInput()
-    for weight in LAYER_WEIGHTS:
-        if weight.split in layer_styles:
-            plan[f"model.layers.*.{weight.module}"] = layer_styles[weight.split]()
-    return plan
-
-
-def resolve_tp_plan(plan: TensorParallelPlan | Callable[[], TensorParallelPlan] | str | None) -> TensorParallelPlan:
-    """A plan, a function returning one, or its import path `"package.module:function"`; None is Llama's."""
+def resolve_tp_plan(plan: TensorParallelPlan | Callable[[], TensorParallelPlan] | str | None
+                    ) -> TensorParallelPlan | None:
+    """A plan, a function returning one, or its import path `"package.module:function"`; None stays None
+    (the model adapter's plan, `models.adapter`)."""
     if plan is None:
-        return llama_tp_plan()
+        return None
     if isinstance(plan, str):
         plan = import_object(plan, "tp_plan")
     if callable(plan):
@@ -120,14 +104,16 @@ def plan_entries_present(model: nn.Module, plan: TensorParallelPlan) -> dict[str
     return {pattern: style for pattern, style in plan.items() if _matches(model, pattern)}
 
 
-def check_plan_matches(model: nn.Module, plan: TensorParallelPlan) -> None:
-    """Every plan entry must match a module of the whole model: a typo must not silently skip sharding."""
+def check_plan_matches(model: nn.Module, plan: TensorParallelPlan, family: str = "given") -> None:
+    """Every plan entry must match a module of the whole model: a typo must not silently skip sharding.
+    `family` names whose plan it is (the model adapter's), for the error."""
     names = [name for name, _ in model.named_modules() if name]
     for pattern in plan:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             raise ValueError(
-                f"tp_plan entry {pattern!r} matches no module of {type(model).__name__}; module names look like"
-                f" {names[:6]}. Patterns are relative to the model root and may use '*' for one name level."
+                f"tp_plan entry {pattern!r} (the {family} plan) matches no module of {type(model).__name__};"
+                f" module names look like {names[:6]}. Patterns are relative to the model root and may use '*' for"
+                " one name level: pass TP3DStrategy(tp_plan=...) or a model_adapter for this model."
             )
 
 

@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
 from lightning_tp3d.io.checkpoint import load_checkpoint, load_rng_state
 from lightning_tp3d.io.checkpoint_format import MODEL_GROUP, CheckpointMeta
 from lightning_tp3d.io.random_state import restore_rng_state
+from lightning_tp3d.models.adapter import shaped_config
 from lightning_tp3d.plan.layout import ParallelLayout
 
-__all__ = ["FLAT_OPTIMIZER_STATE", "UNSTEPPED", "load_states", "model_config", "network_config_record",
+__all__ = ["FLAT_OPTIMIZER_STATE", "UNSTEPPED", "load_states", "model_config",
            "optimizer_state", "restore_random_states", "sharded_state"]
 
 # Flattened optimizer state is keyed by parameter name (`state.<name>.exp_avg`), not by position, so the
@@ -38,27 +39,9 @@ FLAT_OPTIMIZER_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
 # The flag in a saved optimizer state telling that the optimizer had taken no step (see `optimizer_state`).
 UNSTEPPED = "tp3d_unstepped"
 
-_MODEL_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                       "num_attention_heads", "num_key_value_heads")
-
-
 def model_config(*owners: nn.Module | None) -> Any | None:
     """The first `config` with the decoder's shape fields found on `owners` (network, LightningModule)."""
-    for owner in owners:
-        config = getattr(owner, "config", None)
-        if config is not None and all(hasattr(config, field) for field in _MODEL_SHAPE_FIELDS):
-            return config
-    return None
-
-
-def network_config_record(network: nn.Module) -> dict[str, Any] | None:
-    """The network's config as `meta.json` records it; a `transformers` config with its architecture, so
-    that an export writes the model's own `config.json`."""
-    config = model_config(network)
-    record = config.to_dict() if hasattr(config, "to_dict") else None
-    if record is not None and "model_type" in record and not record.get("architectures"):
-        record["architectures"] = [type(network).__name__]
-    return record
+    return next((config for config in map(shaped_config, owners) if config is not None), None)
 
 
 def optimizer_state(owner: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -31,12 +31,10 @@ from lightning_tp3d.parallel.data_parallel import DataParallel, build_data_paral
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
 from lightning_tp3d.parallel.mesh import build_device_mesh, mesh_device
 from lightning_tp3d.parallel.pipeline import GradientHandOver, PipelineRunner
-from lightning_tp3d.parallel.tensor import resolve_tp_plan
 from lightning_tp3d.plan.data_parallel import DataParallelPlan, choose_data_parallel
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.strategies.checkpointing import (
     load_states,
-    network_config_record,
     optimizer_state,
     restore_random_states,
     sharded_state,
@@ -57,7 +55,6 @@ class ParallelCore:
         options = options if options is not None else ParallelOptions(**option_values)
         self.options = options
         self.pretrained = options.pretrained
-        self._tp_plan = resolve_tp_plan(options.tp_plan)
         self.preflight_report: DoctorReport | None = None
         self.pipeline: PipelineRunner | None = None
         self.sample_position = SamplePosition()
@@ -134,7 +131,8 @@ class ParallelCore:
         if network is self._parallelized:
             return False
         self.pipeline, self._handover = parallelize_network(network, config, self.layout, self.mesh, self.options,
-                                                            self._tp_plan, self.data_parallel, loss_scale, device)
+                                                            self.options.model_adapter_for(network),
+                                                            self.data_parallel, loss_scale, device)
         self._parallelized = network
         return True
 
@@ -208,12 +206,13 @@ class ParallelCore:
                         losses: dict[str, float] | None = None) -> CheckpointMeta:
         """What `meta.json` records: layout, step, data position, the network's config."""
         position = self.sample_position
+        config_record = self.options.model_adapter_for(network).config_record(network)
         return CheckpointMeta(
             layout=self.layout.to_dict(), world_size=world_size, global_step=global_step, epoch=epoch,
             consumed_samples=position.consumed,
             consumed_samples_in_epoch=position.consumed_in_epoch if position.epoch == epoch else 0,
             network_prefix=network_prefix, data_parallel_mode=self.options.data_parallel_mode,
-            model_config=network_config_record(network), precision=precision, **(losses or {}),
+            model_config=config_record, precision=precision, **(losses or {}),
         )
 
     def save(self, path: Path, model_state: dict[str, Any], optimizer_states: Sequence[dict[str, Any]],

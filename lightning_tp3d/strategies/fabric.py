@@ -25,29 +25,26 @@ Example usage::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.utilities.types import Optimizable, ReduceOp
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_tp3d._compat.lightning import ParallelBackwardSyncControl
 from lightning_tp3d.parallel.grad_norm import clip_grad_value_
-from lightning_tp3d.parallel.pipeline import PipelineStages
-from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.checkpointing import model_config
 from lightning_tp3d.strategies.core import ParallelCore
-from lightning_tp3d.strategies.options import ParallelOptions
+from lightning_tp3d.strategies.options import ParallelOptions, document_options, with_option_signature
 from lightning_tp3d.strategies.precision import check_supported_precision, current_loss_scale
 
 __all__ = ["TP3DFabricStrategy"]
@@ -75,43 +72,24 @@ class _BackwardSyncControl(ParallelBackwardSyncControl):
         return skipping()
 
 
+@document_options
 class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
     """Fabric strategy for 3-D parallel training; the arguments are `TP3DStrategy`'s (without the
-    Trainer-only `model_attribute` and `async_checkpoint`): the network is the module given to `setup`."""
+    Trainer-only `model_attribute` and `async_checkpoint`): the network is the module given to `setup`.
 
-    def __init__(
-        self,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        data_parallel_size: int | Literal["auto"] = "auto",
-        data_parallel_mode: Literal["replicate", "fsdp", "zero1"] = "replicate",
-        fsdp_reshard_after_forward: bool | None = None,
-        overlap_gradient_reduction: bool = True,
-        num_microbatches: int | None = None,
-        pipeline_schedule: str = "1f1b",
-        stages_per_rank: int = 2,
-        layers_per_stage: Sequence[int] | None = None,
-        tp_plan: Mapping[str, ParallelStyle] | Callable[[], Mapping[str, ParallelStyle]] | str | None = None,
-        layers_attribute: str = "model.layers",
-        pipeline_first_modules: Sequence[str] = ("model.embed_tokens",),
-        pipeline_last_modules: Sequence[str] = ("model.norm", "lm_head"),
-        pipeline_stages: PipelineStages | str | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        recompute: Literal["none", "full", "selective"] = "none",
-        recompute_method: Literal["uniform", "block"] = "uniform",
-        recompute_num_layers: int = 1,
-        recompute_target: str = DEFAULT_SELECTIVE_TARGET,
-        pretrained: str | Path | None = None,
-        preflight: bool = False,
-        skip_non_finite_steps: bool = True,
-        max_consecutive_skips: int = 5,
-        verify_checkpoints: bool = True,
-    ) -> None:
-        super().__init__(parallelize_fn=self._parallelize, data_parallel_size=data_parallel_size,
-                         tensor_parallel_size=tensor_parallel_size, save_distributed_checkpoint=True,
-                         process_group_backend=process_group_backend, timeout=timeout)
-        self.core = ParallelCore(ParallelOptions.from_arguments(locals()))
+    Args:
+        process_group_backend: "gloo" / "nccl"; default from the device (gloo on CPU, nccl on CUDA).
+        timeout: timeout of every collective (see `TP3DStrategy`).
+    """
+
+    @with_option_signature
+    def __init__(self, *, process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 **options: Any) -> None:
+        parallel_options = ParallelOptions.from_keywords(type(self).__name__, options)
+        tp, _, dp = parallel_options.sizes
+        super().__init__(parallelize_fn=self._parallelize, data_parallel_size=dp, tensor_parallel_size=tp,
+                         save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
+        self.core = ParallelCore(parallel_options)
         self._backward_sync_control = _BackwardSyncControl(self)
         self._gradient_sync = True
         self._network: nn.Module | None = None

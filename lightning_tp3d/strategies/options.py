@@ -1,71 +1,137 @@
-"""`ParallelOptions`: the options both strategies take, their defaults and their validation, in one place.
+"""`ParallelOptions`: the options both strategies take, declared once: name, type, default, help, validation.
 
-The strategies keep explicit keyword arguments (LightningCLI / jsonargparse read their signatures) and
-hand them over by name with `ParallelOptions.from_arguments(locals())`; a test keeps the three
-signatures equal. Everything is checked at construction, so a typo fails before any process starts.
+Each field of the dataclass is an option. Everything else is read from it:
+
+* the strategies' signatures: `TP3DStrategy.__init__(self, *, model_attribute=..., **options)` gets the
+  `__signature__` that `with_option_signature` builds from the fields and the strategy's own parameters,
+  so `inspect.signature`, IDEs and LightningCLI / jsonargparse see every option with its type and default;
+* their docstrings: `document_options` writes each field's help under the class docstring's `Args:`,
+  which is also where jsonargparse reads the help of `tp3d fit --help`;
+* the option table of `docs/options.md` (`options_table`, checked by a test);
+* the validation: everything is checked at construction, so a typo fails before any process starts.
+
+The memory and communication ledgers read the same choices through `plan.data_parallel` and
+`plan.recompute`, which these options call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
+import textwrap
+import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_tp3d.models.adapter import ModelAdapter
+from lightning_tp3d.models.families import ModelAdapterOption, check_model_adapter, resolve_model_adapter
 from lightning_tp3d.parallel.attributes import import_object
 from lightning_tp3d.parallel.pipeline import PipelineStages
+from lightning_tp3d.parallel.tensor import resolve_tp_plan
 from lightning_tp3d.plan.data_parallel import choose_data_parallel
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET, check_recompute_options
-from lightning_tp3d.plan.schedules import stages_per_rank_of
+from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, stages_per_rank_of
 
-__all__ = ["ParallelOptions"]
+__all__ = ["ParallelOptions", "document_options", "options_table", "with_option_signature"]
 
 TensorParallelPlanOption = Mapping[str, ParallelStyle] | Callable[[], Mapping[str, ParallelStyle]] | str | None
 
 
+def _option(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ParallelOptions:
-    """See `TP3DStrategy` for the meaning of each option. `num_microbatches=None` becomes
-    `pipeline_parallel_size`; sequences become tuples, `pretrained` a `Path` and a `pipeline_stages` import
-    path the instance (a class is instantiated)."""
+    """The options of both strategies (see the module docstring). `num_microbatches=None` becomes
+    `pipeline_parallel_size`; sequences become tuples, `pretrained` a `Path`, a `tp_plan` the plan and a
+    `model_adapter` / `pipeline_stages` import path the instance (a class is instantiated). The model's
+    parts (`layers_attribute`, the first and last pipeline modules, `tp_plan`, `pipeline_stages`) left None
+    are its family adapter's (`model_adapter_for`)."""
 
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int | str = "auto"
-    data_parallel_mode: str = "replicate"
-    fsdp_reshard_after_forward: bool | None = None
-    overlap_gradient_reduction: bool = True
-    num_microbatches: int | None = None
-    pipeline_schedule: str = "1f1b"
-    stages_per_rank: int = 2
-    layers_per_stage: Sequence[int] | None = None
-    tp_plan: TensorParallelPlanOption = None
-    layers_attribute: str = "model.layers"
-    pipeline_first_modules: Sequence[str] = ("model.embed_tokens",)
-    pipeline_last_modules: Sequence[str] = ("model.norm", "lm_head")
-    pipeline_stages: PipelineStages | str | None = None
-    recompute: str = "none"
-    recompute_method: str = "uniform"
-    recompute_num_layers: int = 1
-    recompute_target: str = DEFAULT_SELECTIVE_TARGET
-    pretrained: str | Path | None = None
-    preflight: bool = False
-    skip_non_finite_steps: bool = True
-    max_consecutive_skips: int = 5
-    verify_checkpoints: bool = True
+    tensor_parallel_size: int = _option(1, "processes that split every layer (innermost mesh dimension).")
+    pipeline_parallel_size: int = _option(1, "pipeline stages (ranks along \"pp\").")
+    data_parallel_size: int | Literal["auto"] = _option("auto", "model replicas; \"auto\" is world size / (tp x pp).")
+    data_parallel_mode: Literal["replicate", "fsdp", "zero1"] = _option(
+        "replicate", "\"replicate\" (gradients all-reduced over dp, DDP semantics), \"fsdp\" (FSDP2: parameters,"
+        " gradients and optimizer state sharded over dp) or \"zero1\" (the optimizer state and update split over"
+        " dp with DDP's traffic, `parallel.data_parallel.zero`; elementwise optimizers only).")
+    fsdp_reshard_after_forward: bool | None = _option(
+        None, "free a block's gathered parameters after its forward (FSDP2); None: yes without pipelining, no"
+        " under it (gather once per step; `plan.schedules.fsdp_reshards_after_forward`, refused with the"
+        " split-backward schedules).")
+    overlap_gradient_reduction: bool = _option(
+        True, "in \"replicate\" mode without pipelining, all-reduce the gradients in buckets while backward runs"
+        " (as DDP does, `parallel.data_parallel.overlap`) instead of after it.")
+    num_microbatches: int | None = _option(
+        None, "micro-batches each dataloader batch is split into for the pipeline (default: pp).")
+    pipeline_schedule: str = _option(
+        "1f1b", "the pipeline schedule, one of " + ", ".join(f"`{name}`" for name in PIPELINE_SCHEDULES) + ".")
+    stages_per_rank: int = _option(2, "stages on each rank for the looped schedules (V-shaped ones always use 2).")
+    layers_per_stage: Sequence[int] | None = _option(
+        None, "explicit layer count of every stage (default: balanced, embedding and head counted as one layer"
+        " each).")
+    model_adapter: ModelAdapterOption = _option(
+        None, "what the strategy knows of the network's family (`models.adapter.ModelAdapter`, its class or"
+        " import path \"package.module:name\"); default: recognised from the network (`models.families`:"
+        " Hugging Face causal LMs, else Llama names).")
+    tp_plan: TensorParallelPlanOption = _option(
+        None, "module-name pattern -> `ParallelStyle` mapping, a function returning one, or its import path"
+        " \"package.module:function\"; default: the model adapter's (Megatron's plan for Llama names).")
+    layers_attribute: str | None = _option(
+        None, "attribute of the network holding its transformer blocks (FSDP units, stages); default: the model"
+        " adapter's (`model.layers`).")
+    pipeline_first_modules: Sequence[str] | None = _option(
+        None, "modules of the network run before the blocks on the first stage; default: the model adapter's"
+        " (`model.embed_tokens`).")
+    pipeline_last_modules: Sequence[str] | None = _option(
+        None, "modules run after the blocks on the last stage; default: the model adapter's (`model.norm`,"
+        " `lm_head`).")
+    pipeline_stages: PipelineStages | str | None = _option(
+        None, "how a stage computes from its modules (`PipelineStages`, or \"package.module:Class\"), for blocks"
+        " that take more than the hidden states; default: the model adapter's (Hugging Face causal LMs run"
+        " their own rotary tables, masks and loss).")
+    recompute: Literal["none", "full", "selective"] = _option(
+        "none", "activation recompute: \"none\", \"full\" (whole blocks) or \"selective\" (the part of each"
+        " block named by `recompute_target`).")
+    recompute_method: Literal["uniform", "block"] = _option(
+        "uniform", "\"uniform\" recomputes every N-th block (global index), \"block\" the first N blocks of each"
+        " pipeline stage (N = `recompute_num_layers`).")
+    recompute_num_layers: int = _option(1, "N of `recompute_method`.")
+    recompute_target: str = _option(
+        DEFAULT_SELECTIVE_TARGET, "attribute path inside a block of the method or module \"selective\" recomputes.")
+    pretrained: str | Path | None = _option(
+        None, "a Hugging Face folder (safetensors) whose weights initialise the network after it is sharded, each"
+        " rank reading only its own slices (a resumed checkpoint then overrides them).")
+    preflight: bool = _option(
+        False, "measure each mesh dimension's links when the mesh is built (`tp3d doctor`'s figures at 1 MiB),"
+        " log the table and warn with fixes; the report is kept in `preflight_report`.")
+    skip_non_finite_steps: bool = _option(
+        True, "when the loss or a gradient is NaN/inf on any rank, every rank skips the update and the"
+        " step-interval LR schedulers (`strategies.non_finite`), logged as `skipped_steps`.")
+    max_consecutive_skips: int = _option(
+        5, "skipped steps in a row after which training stops with `NonFiniteStepsError`.")
+    verify_checkpoints: bool = _option(
+        True, "check every file of a checkpoint against the SHA-256 recorded when it was written before loading"
+        " it (each rank hashes a share); False loads a damaged checkpoint unchecked.")
 
     def __post_init__(self) -> None:
         normalised = {
             "num_microbatches": self.num_microbatches or self.pipeline_parallel_size,
             "layers_per_stage": tuple(self.layers_per_stage) if self.layers_per_stage is not None else None,
-            "pipeline_first_modules": tuple(self.pipeline_first_modules),
-            "pipeline_last_modules": tuple(self.pipeline_last_modules),
+            "pipeline_first_modules": _tuple_or_none(self.pipeline_first_modules),
+            "pipeline_last_modules": _tuple_or_none(self.pipeline_last_modules),
             "pretrained": Path(self.pretrained) if self.pretrained is not None else None,
+            "model_adapter": check_model_adapter(self.model_adapter),
+            "tp_plan": resolve_tp_plan(self.tp_plan),
             "pipeline_stages": _resolve_stages(self.pipeline_stages),
         }
         for name, value in normalised.items():
@@ -98,18 +164,31 @@ class ParallelOptions:
             )
 
     @classmethod
-    def from_arguments(cls, arguments: Mapping[str, Any]) -> ParallelOptions:
-        """The options among a strategy's constructor arguments (`locals()`); every option must be there."""
-        names = [field.name for field in dataclasses.fields(cls)]
-        missing = [name for name in names if name not in arguments]
-        if missing:
-            raise TypeError(f"ParallelOptions.from_arguments: no value for {missing}.")
-        return cls(**{name: arguments[name] for name in names})
+    def from_keywords(cls, owner: str, keywords: Mapping[str, Any]) -> ParallelOptions:
+        """The options given to `owner` (a strategy) as keywords; an unknown name is refused with the closest
+        option named."""
+        names = [option.name for option in dataclasses.fields(cls)]
+        for name in keywords:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; the options are {names}."
+                raise TypeError(f"{owner} got an unknown option {name!r}{hint}")
+        return cls(**keywords)
+
+    def model_adapter_for(self, network: nn.Module) -> ModelAdapter:
+        """`network`'s family adapter (`models.families`), with the fields these options set."""
+        return resolve_model_adapter(network, self.model_adapter).overridden(
+            self.layers_attribute, self.pipeline_first_modules, self.pipeline_last_modules, self.tp_plan,
+            self.pipeline_stages)
 
     @property
     def sizes(self) -> tuple[int, int, int | str]:
         """(tp, pp, dp) as given; dp may still be `"auto"`."""
         return self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size
+
+
+def _tuple_or_none(paths: Sequence[str] | None) -> tuple[str, ...] | None:
+    return tuple(paths) if paths is not None else None
 
 
 def _resolve_stages(stages: PipelineStages | str | type | None) -> PipelineStages | None:
@@ -122,3 +201,46 @@ def _resolve_stages(stages: PipelineStages | str | type | None) -> PipelineStage
             f"pipeline_stages must be a lightning_tp3d.parallel.pipeline.PipelineStages, got {type(stages).__name__}."
         )
     return stages
+
+
+def _option_parameters() -> list[inspect.Parameter]:
+    hints = typing.get_type_hints(ParallelOptions)
+    return [inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default,
+                              annotation=hints[option.name]) for option in dataclasses.fields(ParallelOptions)]
+
+
+def with_option_signature(init: Callable[..., None]) -> Callable[..., None]:
+    """Give a strategy's `__init__(self, *, own..., **options)` the signature `self, *, <every option>,
+    own...`, which `inspect.signature` and jsonargparse (LightningCLI) read."""
+    own = [parameter for parameter in inspect.signature(init).parameters.values()
+           if parameter.kind is not inspect.Parameter.VAR_KEYWORD]
+    self_parameter, own = own[0], [parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY) for parameter in own[1:]]
+    hints = typing.get_type_hints(init)
+    own = [parameter.replace(annotation=hints.get(parameter.name, parameter.annotation)) for parameter in own]
+    init.__signature__ = inspect.Signature([self_parameter, *_option_parameters(), *own], return_annotation=None)
+    return init
+
+
+def _help(option: dataclasses.Field) -> str:
+    return option.metadata["help"]
+
+
+def document_options(cls: type) -> type:
+    """Write every option's help at the head of the `Args:` section of `cls.__doc__` (Google style, which
+    jsonargparse parses for `--help`)."""
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    head, marker, own = doc.partition("\nArgs:\n")
+    if not marker:
+        raise ValueError(f"{cls.__name__}'s docstring needs an 'Args:' section for the options.")
+    lines = [textwrap.fill(f"{option.name}: {_help(option)}", width=108, initial_indent="    ",
+                           subsequent_indent="        ") for option in dataclasses.fields(ParallelOptions)]
+    cls.__doc__ = head + marker + "\n".join(lines) + "\n" + own
+    return cls
+
+
+def options_table() -> str:
+    """The Markdown table of the options (`docs/options.md`): name, default, meaning."""
+    rows = ["| option | default | meaning |", "| --- | --- | --- |"]
+    for option in dataclasses.fields(ParallelOptions):
+        rows.append(f"| `{option.name}` | `{option.default!r}` | {_help(option).replace('|', '/')} |")
+    return "\n".join(rows) + "\n"

@@ -20,8 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp3d.models.huggingface import HuggingFaceStages, is_huggingface_causal_lm
-from lightning_tp3d.models.llama import causal_lm_loss
+from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.data_parallel import DataParallel
 from lightning_tp3d.parallel.materialize import materialize_network
@@ -33,12 +32,7 @@ from lightning_tp3d.parallel.pipeline import (
     split_network,
 )
 from lightning_tp3d.parallel.recompute import recompute_network_layers
-from lightning_tp3d.parallel.tensor import (
-    TensorParallelPlan,
-    apply_tensor_parallel,
-    check_plan_matches,
-    plan_entries_present,
-)
+from lightning_tp3d.parallel.tensor import apply_tensor_parallel, check_plan_matches, plan_entries_present
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.schedules import PipelinePlan, plan_pipeline
 from lightning_tp3d.strategies.options import ParallelOptions
@@ -49,23 +43,23 @@ ParallelNetwork = tuple[PipelineRunner | None, GradientHandOver | None]
 
 
 def parallelize_network(network: nn.Module, config: Any | None, layout: ParallelLayout, mesh: DeviceMesh,
-                        options: ParallelOptions, tp_plan: TensorParallelPlan, data_parallel: DataParallel,
+                        options: ParallelOptions, adapter: ModelAdapter, data_parallel: DataParallel,
                         loss_scale: Callable[[], torch.Tensor | float], device: torch.device) -> ParallelNetwork:
-    """Make `network` parallel in place, in the module docstring's order; `config` (its shape, if known) is
-    checked against the layout. `loss_scale()` is what the pipeline schedule multiplies the loss by before
-    its backward (fp16 scale / accumulation). Returns the pipeline runner and the gradient hand-over
-    (None, None without pipelining)."""
+    """Make `network` parallel in place, in the module docstring's order, where its family's `adapter`
+    says its parts are (`models.adapter`); `config` (its shape, if known) is checked against the layout.
+    `loss_scale()` is what the pipeline schedule multiplies the loss by before its backward (fp16 scale /
+    accumulation). Returns the pipeline runner and the gradient hand-over (None, None without pipelining)."""
+    tp_plan = adapter.tp_plan()
     if layout.tensor_parallel_size > 1:
-        check_plan_matches(network, tp_plan)
+        check_plan_matches(network, tp_plan, adapter.name)
     stage_modules: list[nn.Module] = []
     pipeline_plan = None
-    stages = options.pipeline_stages or (HuggingFaceStages() if is_huggingface_causal_lm(network)
-                                         else PipelineStages())
+    stages = adapter.pipeline_stages()
     if layout.pipeline_parallel_size > 1:
-        pipeline_plan, stage_modules = _split_pipeline(network, config, layout, mesh, options, stages)
+        pipeline_plan, stage_modules = _split_pipeline(network, config, layout, mesh, options, adapter, stages)
     elif config is not None:
         layout.validate_model(config)
-    layers = _layers(network, options)  # this rank's blocks once split
+    layers = _layers(network, adapter)  # this rank's blocks once split
     if layout.tensor_parallel_size > 1:
         apply_tensor_parallel(network, mesh["tp"], plan_entries_present(network, tp_plan))
     if options.recompute != "none":
@@ -75,7 +69,7 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
     data_parallel.wrap(stage_modules or [network], indexed_blocks(layers).values())
     pipeline, handover = None, None
     if pipeline_plan is not None:
-        loss_fn = stages.loss_function(network) or causal_lm_loss
+        loss_fn = adapter.loss_function(network)
         pipeline = PipelineRunner(stage_modules, pipeline_plan, layout.num_microbatches, loss_fn,
                                   mesh["pp"].get_group(), device)
         handover = install_pipelined_forward(network, pipeline, loss_scale, stages)
@@ -83,18 +77,19 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
     return pipeline, handover
 
 
-def _layers(network: nn.Module, options: ParallelOptions) -> nn.ModuleDict | nn.ModuleList:
-    return resolve_attribute(network, options.layers_attribute, "layers_attribute")
+def _layers(network: nn.Module, adapter: ModelAdapter) -> nn.ModuleDict | nn.ModuleList:
+    return resolve_attribute(network, adapter.layers_attribute, "layers_attribute")
 
 
 def _split_pipeline(network: nn.Module, config: Any | None, layout: ParallelLayout, mesh: DeviceMesh,
-                    options: ParallelOptions, stages: PipelineStages) -> tuple[PipelinePlan, list[nn.Module]]:
+                    options: ParallelOptions, adapter: ModelAdapter, stages: PipelineStages
+                    ) -> tuple[PipelinePlan, list[nn.Module]]:
     if config is not None and getattr(config, "tie_word_embeddings", False):
         raise LayoutError(
             "tie_word_embeddings=True with pipeline_parallel_size > 1 is not supported: the embedding and the"
             " head live on different stages; untie them or use pipeline_parallel_size=1."
         )
-    num_layers = len(_layers(network, options))
+    num_layers = len(_layers(network, adapter))
     plan = plan_pipeline(
         options.pipeline_schedule, layout.pipeline_parallel_size, mesh.get_local_rank("pp"),
         layout.num_microbatches, options.stages_per_rank,
@@ -102,6 +97,5 @@ def _split_pipeline(network: nn.Module, config: Any | None, layout: ParallelLayo
     )
     if config is not None:
         layout.validate_model(config, plan.num_stages)
-    pieces = split_network(network, plan, options.layers_attribute, options.pipeline_first_modules,
-                           options.pipeline_last_modules)
+    pieces = split_network(network, plan, adapter.layers_attribute, adapter.first_modules, adapter.last_modules)
     return plan, [stages.stage_module(network, first, blocks, last) for first, blocks, last in pieces]

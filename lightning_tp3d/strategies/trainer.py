@@ -18,29 +18,27 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_tp3d._compat.lightning import (
     detects_anomaly,
     materialize_distributed_module,
-    optimizers_to_device,
     set_device_mesh,
     should_accumulate,
     update_dataloader,
@@ -48,15 +46,13 @@ from lightning_tp3d._compat.lightning import (
 from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosition
 from lightning_tp3d.io.checkpoint import PendingSave
 from lightning_tp3d.parallel.attributes import resolve_attribute
-from lightning_tp3d.parallel.pipeline import PipelineStages
-from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.checkpointing import model_config
 from lightning_tp3d.strategies.core import ParallelCore
 from lightning_tp3d.strategies.features import adapt_callbacks, check_lightning_features, check_network_is_not_compiled
 from lightning_tp3d.strategies.loss_watch import ResumeLossWatch
 from lightning_tp3d.strategies.non_finite import hold_schedulers_on_skipped_steps, release_schedulers
-from lightning_tp3d.strategies.options import ParallelOptions
+from lightning_tp3d.strategies.options import ParallelOptions, document_options, with_option_signature
 from lightning_tp3d.strategies.precision import (
     TP3DPrecision,
     check_supported_precision,
@@ -67,97 +63,35 @@ from lightning_tp3d.strategies.precision import (
 __all__ = ["TP3DStrategy"]
 
 
+@document_options
 class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
     """Trainer strategy for 3-D parallel training on a ("pp", "dp", "tp") device mesh.
 
     Args:
-        tensor_parallel_size: processes that split every layer (innermost mesh dimension).
-        pipeline_parallel_size: pipeline stages (ranks along "pp").
-        num_microbatches: micro-batches each dataloader batch is split into for the pipeline (default: pp).
-        pipeline_schedule: one of `gpipe`, `1f1b`, `interleaved_1f1b`, `looped_bfs`,
-            `interleaved_zero_bubble`, `zbv_zero_bubble`, `dualpipev`.
-        stages_per_rank: stages on each rank for the looped schedules (V-shaped ones always use 2).
-        layers_per_stage: explicit layer count of every stage (default: balanced, embedding and head
-            counted as one layer each).
-        data_parallel_size: model replicas; `"auto"` is world size / (tp x pp).
-        data_parallel_mode: `"replicate"` (gradients all-reduced over dp, DDP semantics), `"fsdp"` (FSDP2:
-            parameters, gradients, optimizer state sharded over dp) or `"zero1"` (`parallel.data_parallel.zero`: the
-            optimizer state and update split over dp with DDP's traffic; elementwise optimizers only).
-        fsdp_reshard_after_forward: free a block's gathered parameters after its forward (FSDP2); None:
-            yes without pipelining, no under it (gather once per step, keep the stage whole; see
-            `plan.schedules.fsdp_reshards_after_forward`, refused with the split-backward schedules).
-        overlap_gradient_reduction: in `"replicate"` mode without pipelining, all-reduce the gradients in
-            buckets while backward runs (as DDP does, `parallel.data_parallel.overlap`) instead of after it.
-        tp_plan: module-name pattern -> `ParallelStyle` mapping, a function returning one, or its
-            import path `"package.module:function"`; default: the plan for Hugging Face Llama names.
         model_attribute: attribute of the LightningModule holding the network to parallelise.
-        layers_attribute: attribute of that network holding its transformer blocks (FSDP units, stages).
-        pipeline_first_modules / pipeline_last_modules: modules of the network run before the blocks on
-            the first stage / after them on the last stage; a stage computes first -> blocks -> last.
-        pipeline_stages: how a stage computes from its modules (`PipelineStages`, or its import path
-            `"package.module:Class"`), for blocks that take more than the hidden states; default: Hugging
-            Face causal LMs run their own rotary tables, masks and loss (`models.huggingface`), other
-            networks call first -> blocks -> last with the previous output.
-        process_group_backend: `"gloo"` / `"nccl"`; default from the device (gloo on CPU, nccl on CUDA).
+        process_group_backend: "gloo" / "nccl"; default from the device (gloo on CPU, nccl on CUDA).
         timeout: timeout of every collective, on the default group and on each mesh dimension's groups; a
             collective that does not complete in time raises `CollectiveTimeoutError` naming the group
             (tp / pp / dp), the operation and the ranks, instead of hanging.
         async_checkpoint: write checkpoints in a background thread (tensors are first copied to CPU
             memory); a checkpoint appears under its name once the next save starts or fit ends.
-        recompute: activation recompute granularity, `"none"`, `"full"` (whole blocks) or `"selective"`
-            (the part of each block named by `recompute_target`, by default the attention core).
-        recompute_method / recompute_num_layers: `"uniform"` recomputes every N-th block (global index),
-            `"block"` the first N blocks of each pipeline stage.
-        recompute_target: attribute path inside a block of the method or module `"selective"` recomputes.
-        pretrained: a Hugging Face folder (safetensors) whose weights initialise the network after it is
-            sharded, each rank reading only its own slices (a resumed checkpoint then overrides them).
-        preflight: measure each mesh dimension's links when the mesh is built (`tp3d doctor`'s figures at
-            1 MiB), log the table and warn with fixes; the report is kept in `preflight_report`.
-        skip_non_finite_steps: when the loss or a gradient is NaN/inf on any rank, every rank skips the
-            update and the step-interval LR schedulers (see `strategies.non_finite`); the total is logged as
-            `skipped_steps`. An fp16 loss scaler skips steps itself.
-        max_consecutive_skips: skipped steps in a row after which training stops with `NonFiniteStepsError`.
-        verify_checkpoints: check every file of a checkpoint against the SHA-256 recorded when it was written
-            before loading it (each rank hashes a share); False loads a damaged checkpoint unchecked.
+
+    The options before those (`strategies.options.ParallelOptions`, one declaration for both strategies, the
+    ledger and `docs/options.md`) are written into this docstring when the class is defined.
 
     Mixed precision: `Trainer(precision="bf16-mixed" | "bf16-true")`, or for fp16 with a loss scaler that
     every rank agrees on, `Trainer(plugins=[TP3DPrecision("16-mixed")])` (see `lightning_tp3d.strategies.precision`).
     """
 
-    def __init__(
-        self,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        data_parallel_size: int | Literal["auto"] = "auto",
-        data_parallel_mode: Literal["replicate", "fsdp", "zero1"] = "replicate",
-        fsdp_reshard_after_forward: bool | None = None,
-        overlap_gradient_reduction: bool = True,
-        num_microbatches: int | None = None,
-        pipeline_schedule: str = "1f1b",
-        stages_per_rank: int = 2,
-        layers_per_stage: Sequence[int] | None = None,
-        tp_plan: Mapping[str, ParallelStyle] | Callable[[], Mapping[str, ParallelStyle]] | str | None = None,
-        model_attribute: str = "model",
-        layers_attribute: str = "model.layers",
-        pipeline_first_modules: Sequence[str] = ("model.embed_tokens",),
-        pipeline_last_modules: Sequence[str] = ("model.norm", "lm_head"),
-        pipeline_stages: PipelineStages | str | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        async_checkpoint: bool = False,
-        recompute: Literal["none", "full", "selective"] = "none",
-        recompute_method: Literal["uniform", "block"] = "uniform",
-        recompute_num_layers: int = 1,
-        recompute_target: str = DEFAULT_SELECTIVE_TARGET,
-        pretrained: str | Path | None = None,
-        preflight: bool = False,
-        skip_non_finite_steps: bool = True,
-        max_consecutive_skips: int = 5,
-        verify_checkpoints: bool = True,
-    ) -> None:
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
-                         save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
-        self.core = ParallelCore(ParallelOptions.from_arguments(locals()))
+    @with_option_signature
+    def __init__(self, *, model_attribute: str = "model", process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout, async_checkpoint: bool = False,
+                 **options: Any) -> None:
+        parallel_options = ParallelOptions.from_keywords(type(self).__name__, options)
+        tp, _, dp = parallel_options.sizes
+        super().__init__(data_parallel_size=dp, tensor_parallel_size=tp, save_distributed_checkpoint=True,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.core = ParallelCore(parallel_options)
         self._model_attribute = model_attribute
         self._resume_position: SamplePosition | None = None
         self._async_checkpoint = async_checkpoint
@@ -252,12 +186,18 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.model is not None and self.accelerator is not None
+        """Parallelise the network, then Lightning's own setup (`Strategy.setup`: accelerator, precision
+        conversion, device, optimizers through `setup_optimizers`, precision plugin).
+
+        `ModelParallelStrategy.setup` is skipped on purpose: it refuses a LightningModule without
+        `configure_model`, which plain Lightning (and this strategy) accept, and what it adds to
+        `Strategy.setup` (materialising meta modules, a barrier) happens here, after the network is
+        sharded."""
+        assert self.model is not None
         check_supported_precision(self.precision_plugin.precision, getattr(self.precision_plugin, "scaler", None),
                                   self.world_size)
         check_lightning_features(trainer.callbacks, self.core.data_parallel.shards_optimizers, self.layout,
                                  detects_anomaly(trainer))
-        self.accelerator.setup(trainer)
         if isinstance(self.precision_plugin, TP3DPrecision):
             self.precision_plugin.bind_device(self.root_device.type)
         network = self.network
@@ -267,19 +207,19 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         materialize_distributed_module(self.model, self.root_device)
         if first_setup:
             self.core.load_pretrained(network)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        Strategy.setup(self, trainer)
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            self.core.shard_optimizers(self.model, self.optimizers)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            optimizers_to_device(self.optimizers, self.root_device)
-            hold_schedulers_on_skipped_steps(self.lightning_module, self.lr_scheduler_configs, self.step_guard)
         route_gradient_clipping(self.precision_plugin, self.core, self.reduce_gradients)
         pp_group = self.core.group("pp") if self.layout.pipeline_parallel_size > 1 else None
         self._restore_lightning = self._restore_lightning or adapt_callbacks(trainer.callbacks, pp_group)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's optimizers, then this dp rank's parts of them in `"zero1"` mode
+        (`parallel.data_parallel.zero`) and the LR schedulers held on skipped steps (`strategies.non_finite`)."""
+        super().setup_optimizers(trainer)
+        self.core.shard_optimizers(self.model, self.optimizers)
+        hold_schedulers_on_skipped_steps(self.lightning_module, self.lr_scheduler_configs, self.step_guard)
 
     # ------------------------------------------------------------------ step
     @override

@@ -6,7 +6,8 @@ import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_tp3d.models import LlamaForCausalLM
-from lightning_tp3d.parallel.tensor import ReplicateBlockInput, llama_tp_plan
+from lightning_tp3d.models.adapter import llama_tp_plan
+from lightning_tp3d.parallel.tensor import ReplicateBlockInput
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig
 from lightning_tp3d.plan.sharding import (
     LAYER_WEIGHTS,

@@ -17,8 +17,9 @@ stage computes from the modules it owns and how the network's call looks from ou
   `(input_ids, labels)`; `output(loss, logits)` is what that call returns (the loss or, without labels,
   the logits; a Hugging Face model returns its output object).
 
-Pass an instance as `TP3DStrategy(pipeline_stages=...)` (or its import path, `"package.module:Class"`).
-Hugging Face causal LMs get `lightning_tp3d.models.huggingface.HuggingFaceStages` automatically.
+A model family's adapter supplies its stages (`models.adapter.ModelAdapter.pipeline_stages`); pass an
+instance as `TP3DStrategy(pipeline_stages=...)` (or its import path, `"package.module:Class"`) to
+replace them.
 """
 
 from __future__ import annotations

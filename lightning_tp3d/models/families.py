@@ -1,0 +1,44 @@
+"""The model families the strategy recognises, and the choice of a network's `ModelAdapter`, made once.
+
+`resolve_model_adapter(network, given)` returns `given` (the strategy's `model_adapter` option: an
+adapter, its class, or its import path `"package.module:name"`) or else the first family of
+`MODEL_FAMILIES` whose `matches(network)` holds; the base `ModelAdapter` (Llama names) takes the rest.
+A family added to the package (PEFT, mixtures of experts) goes into `MODEL_FAMILIES` before the
+families it specialises.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_tp3d.models.adapter import ModelAdapter
+from lightning_tp3d.models.huggingface import HuggingFaceCausalLMAdapter
+from lightning_tp3d.parallel.attributes import import_object
+
+__all__ = ["MODEL_FAMILIES", "ModelAdapterOption", "check_model_adapter", "resolve_model_adapter"]
+
+MODEL_FAMILIES: tuple[type[ModelAdapter], ...] = (HuggingFaceCausalLMAdapter, ModelAdapter)
+
+ModelAdapterOption = ModelAdapter | type[ModelAdapter] | str | None
+
+
+def check_model_adapter(given: ModelAdapterOption) -> ModelAdapter | None:
+    """The `model_adapter` option as an instance (an import path imported, a class instantiated), or None."""
+    if isinstance(given, str):
+        given = import_object(given, "model_adapter")
+    if isinstance(given, type) and issubclass(given, ModelAdapter):
+        given = given()
+    if given is not None and not isinstance(given, ModelAdapter):
+        raise TypeError(
+            f"model_adapter must be a lightning_tp3d.models.adapter.ModelAdapter (an instance, its class or"
+            f" 'package.module:name'), got {type(given).__name__}."
+        )
+    return given
+
+
+def resolve_model_adapter(network: nn.Module, given: ModelAdapterOption = None) -> ModelAdapter:
+    """`given`, or the adapter of the first family in `MODEL_FAMILIES` that `network` belongs to."""
+    adapter = check_model_adapter(given)
+    if adapter is not None:
+        return adapter
+    return next(family() for family in MODEL_FAMILIES if family.matches(network))
