@@ -128,7 +128,27 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+def _library_names(tree: ast.Module) -> set[str]:
+    """Names a module binds to a library's modules or objects (`import torch`, `from torch import nn`)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names
+                      if alias.name.split(".")[0] in LIBRARIES}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in LIBRARIES:
+            names |= {alias.asname or alias.name for alias in node.names}
+    return names
+
+
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
 def test_private_names_of_the_libraries_are_used_only_in_compat() -> None:
+    """An attribute `_name` is a library's when it is read off a name bound to the library (`torch._C`,
+    `dist._x`), whatever the package assigns itself; otherwise when the package assigns no `_name`."""
     trees = _modules(PACKAGE)
     own = _own_private_names(trees)
     found = []
@@ -136,6 +156,7 @@ def test_private_names_of_the_libraries_are_used_only_in_compat() -> None:
         relative = file.relative_to(PACKAGE).as_posix()
         if relative.startswith("_compat/"):
             continue
+        library_names = _library_names(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in LIBRARIES:
                 private = [part for part in node.module.split(".") if _is_private(part)]
@@ -144,7 +165,8 @@ def test_private_names_of_the_libraries_are_used_only_in_compat() -> None:
             elif isinstance(node, ast.Import):
                 found += [f"{relative}:{node.lineno} import {alias.name}" for alias in node.names
                           if alias.name.split(".")[0] in LIBRARIES and any(map(_is_private, alias.name.split(".")))]
-            elif isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in own:
+            elif (isinstance(node, ast.Attribute) and _is_private(node.attr)
+                  and (node.attr not in own or _root_name(node) in library_names)):
                 if relative in SUBCLASSES_OF_PRIVATE_STATE or ast.unparse(node.value) == "argparse":
                     continue  # stdlib's argparse types its sub-parsers with a private class
                 found.append(f"{relative}:{node.lineno} {ast.unparse(node)}")

@@ -104,14 +104,14 @@ def plan_entries_present(model: nn.Module, plan: TensorParallelPlan) -> dict[str
     return {pattern: style for pattern, style in plan.items() if _matches(model, pattern)}
 
 
-def check_plan_matches(model: nn.Module, plan: TensorParallelPlan, family: str = "given") -> None:
+def check_plan_matches(model: nn.Module, plan: TensorParallelPlan, family: str) -> None:
     """Every plan entry must match a module of the whole model: a typo must not silently skip sharding.
     `family` names whose plan it is (the model adapter's), for the error."""
     names = [name for name, _ in model.named_modules() if name]
     for pattern in plan:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             raise ValueError(
-                f"tp_plan entry {pattern!r} (the {family} plan) matches no module of {type(model).__name__};"
+                f"tp_plan entry {pattern!r} matches no module of {type(model).__name__} (model adapter: {family});"
                 f" module names look like {names[:6]}. Patterns are relative to the model root and may use '*' for"
                 " one name level: pass TP3DStrategy(tp_plan=...) or a model_adapter for this model."
             )
