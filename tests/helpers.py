@@ -75,7 +75,7 @@ class CaptureGradients(Callback):
         if self.first_grads is None:
             # the optimizer's parameters hold the reduced gradients (in "zero1" mode: each dp rank's parts)
             core = getattr(trainer.strategy, "core", None)
-            owner = core.optimizer_owner(pl_module) if core is not None else pl_module
+            owner = core.data_parallel.optimizer_owner(pl_module) if core is not None else pl_module
             self.first_grads = named_full(owner, "grad", self.prefix)
             parameters = dict(pl_module.named_parameters())
             self.misplaced_gradients = [

@@ -93,7 +93,7 @@ def test_options_are_handed_over_whole_and_normalised() -> None:
         options.recompute = "none"
 
 
-MAX_CORE_LINES = 200  # `ParallelCore`: the wiring of layout, mesh, parallelize, the step and checkpoints
+MAX_CORE_LINES = 180  # `ParallelCore`: the wiring of layout, mesh, parallelize, the step and checkpoints
 LIBRARIES = ("torch", "lightning", "transformers", "peft", "torchao")
 # Subclasses of a library class that read the state its private hooks keep, named with the reason.
 SUBCLASSES_OF_PRIVATE_STATE = {
@@ -275,8 +275,8 @@ def _runtime_patches(file: Path, tree: ast.Module) -> set[tuple[str, str]]:
     this file (a function defining a function), or a variable holding one of those."""
     definitions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
     functions = {node.name for node in definitions}
-    wrappers = {node.name for node in definitions
-                if any(isinstance(inner, (ast.FunctionDef, ast.Lambda)) for inner in ast.walk(node) if inner is not node)}
+    wrappers = {node.name for node in definitions if any(isinstance(inner, (ast.FunctionDef, ast.Lambda))
+                                                         for inner in ast.walk(node) if inner is not node)}
 
     def makes_function(value: ast.expr) -> bool:
         if isinstance(value, ast.Name):

@@ -171,15 +171,6 @@ class ParallelCore:
         self._reduced_parameters = parameters
         return parameters
 
-    def shard_optimizers(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """In `"zero1"` mode with dp > 1, hand `optimizers` this dp rank's parts of `module`'s parameters
-        (`parallel.data_parallel.zero`); with dp = 1 there is nothing to split."""
-        self.data_parallel.shard_optimizers(module, optimizers)
-
-    def after_optimizer_step(self) -> None:
-        """In `"zero1"` mode: all-gather the updated parts, so every dp rank holds the whole parameters."""
-        self.data_parallel.after_optimizer_step()
-
     def clip_gradients_by_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale gradients so their global 2-norm (tp shards, dp shards, pp stages) is at most `max_norm`;
         returns that norm (kept as `last_clip_norm`, which the throughput monitor logs)."""
@@ -187,14 +178,9 @@ class ParallelCore:
         return self.last_clip_norm
 
     # ------------------------------------------------------------------ checkpoints
-    def optimizer_owner(self, module: nn.Module) -> nn.Module:
-        """The module whose parameters an optimizer holds: `module`, or in `"zero1"` mode the parts' tree
-        (same names, so the state is keyed as in every other mode)."""
-        return self.data_parallel.optimizer_owner(module)
-
     def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """`optimizer`'s flattened state dict: this rank's shards, by global name (`checkpointing.optimizer_state`)."""
-        return optimizer_state(self.optimizer_owner(module), optimizer)
+        return optimizer_state(self.data_parallel.optimizer_owner(module), optimizer)
 
     def states_of(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
                   ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -228,7 +214,7 @@ class ParallelCore:
              global_rank: int) -> tuple[CheckpointMeta, dict[str, Any]]:
         """Fill `module` and `optimizers` from a checkpoint of any layout, restore this rank's random states
         (same layout only) and the consumed-samples position; return the meta and the saved trainer state."""
-        meta, trainer_state = load_states(path, module, self.optimizer_owner(module), optimizers, strict,
+        meta, trainer_state = load_states(path, module, self.data_parallel.optimizer_owner(module), optimizers, strict,
                                           self.options.verify_checkpoints)
         restore_random_states(path, meta, self.layout, global_rank)
         rank_zero_info(f"Resuming at step {meta.global_step}, epoch {meta.epoch}, after"

@@ -138,14 +138,14 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         if self._skips_non_finite_step(self._last_loss, parameters, step, getattr(self.precision, "scaler", None)):
             return None
         output = super().optimizer_step(optimizer, **kwargs)
-        self.core.after_optimizer_step()
+        self.core.data_parallel.after_optimizer_step()
         return output
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """In `data_parallel_mode="zero1"` the optimizer is handed this dp rank's parts of the parameters."""
         if self._network is not None:
-            self.core.shard_optimizers(self._network, [optimizer])
+            self.core.data_parallel.shard_optimizers(self._network, [optimizer])
         elif self.core.data_parallel.shards_optimizers:
             raise RuntimeError("data_parallel_mode='zero1': set up the module with `fabric.setup(module)` before its"
                                " optimizer (the optimizer is handed parts of the set-up module's parameters).")

@@ -37,7 +37,7 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
     norms: dict[str, float] = {}
-    for name, parameter in core.optimizer_owner(module).named_parameters():
+    for name, parameter in core.data_parallel.optimizer_owner(module).named_parameters():
         if parameter.grad is not None:
             norm = torch.linalg.vector_norm(parameter.grad.detach(), norm_type)
             norms[name] = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)

@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -218,7 +219,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         """Lightning's optimizers, then this dp rank's parts of them in `"zero1"` mode
         (`parallel.data_parallel.zero`) and the LR schedulers held on skipped steps (`strategies.non_finite`)."""
         super().setup_optimizers(trainer)
-        self.core.shard_optimizers(self.model, self.optimizers)
+        self.core.data_parallel.shard_optimizers(self.model, self.optimizers)
         hold_schedulers_on_skipped_steps(self.lightning_module, self.lr_scheduler_configs, self.step_guard)
 
     # ------------------------------------------------------------------ step
@@ -254,7 +255,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
 
         try:
             output = super().optimizer_step(optimizer, closure_then_all_reduce, model, **kwargs)
-            self.core.after_optimizer_step()
+            self.core.data_parallel.after_optimizer_step()
             return output
         except _SkippedStep:
             return None
@@ -272,7 +273,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return self.core.optimizer_state(self.model, getattr(optimizer, "_optimizer", optimizer))
+        optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return self.core.optimizer_state(self.model, optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
