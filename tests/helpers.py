@@ -28,11 +28,13 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def named_full(module: nn.Module, attribute: str = "data", prefix: str = "model.") -> dict[str, torch.Tensor]:
-    """Whole parameters (or gradients) by name, with the LightningModule's `prefix` removed."""
+    """Whole parameters (or gradients: of the parameters that have one) by name, with the LightningModule's
+    `prefix` removed."""
     values = {}
     for name, parameter in module.named_parameters():
         value = parameter if attribute == "data" else parameter.grad
-        values[name.removeprefix(prefix)] = full_tensor(value)
+        if value is not None:
+            values[name.removeprefix(prefix)] = full_tensor(value)
     return values
 
 
@@ -204,7 +206,7 @@ def reference_run(
             next(model.parameters()).grad.view(-1)[0] = float("inf")
         scaler.unscale_(optimizer)
         if first_grads is None:
-            first_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+            first_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         losses.append(loss.item())

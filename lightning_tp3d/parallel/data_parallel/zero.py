@@ -122,8 +122,9 @@ class ZeroOptimizerSharding:
                 )
             if optimizer.state:
                 raise RuntimeError("data_parallel_mode='zero1' must shard an optimizer before its first step.")
-            for group in optimizer.param_groups:
-                group["params"] = [self._shard_of(parameter) for parameter in group["params"]]
+            for group in optimizer.param_groups:  # a frozen parameter is never updated: it leaves the groups
+                group["params"] = [self._shard_of(parameter) for parameter in group["params"]
+                                   if parameter.requires_grad]
 
     def _shard_of(self, parameter: nn.Parameter) -> nn.Parameter:
         part = self._by_parameter.get(id(parameter))
@@ -210,7 +211,8 @@ class ShardedOptimizerState(DataParallel):
     def shard_optimizers(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         held = {id(parameter) for optimizer in optimizers for group in optimizer.param_groups
                 for parameter in group["params"]}
-        named = [(name, parameter) for name, parameter in module.named_parameters() if id(parameter) in held]
+        named = [(name, parameter) for name, parameter in module.named_parameters()
+                 if id(parameter) in held and parameter.requires_grad]  # frozen weights have nothing to shard
         self._sharding = ZeroOptimizerSharding(named, self.mesh["dp", "tp"], BUCKET_BYTES)
         self._sharding.shard(optimizers)
 

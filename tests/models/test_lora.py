@@ -1,0 +1,159 @@
+"""PEFT LoRA models held as they are (`models/lora.py`), through tensor, pipeline and data parallelism.
+
+The module holds what a fine-tuning project holds, `self.model = get_peft_model(LlamaForCausalLM(config),
+LoraConfig(...))`, and no strategy option names PEFT. Each run is compared with the same PEFT model trained
+by a plain single-process loop on the same samples: the losses of 5 steps and every LoRA gradient each rank
+holds before the first update, per tensor (fp32, rtol 1e-5, atol 1e-7: the parity suite's bound, from the
+summation-order rounding of fp32 reductions over a few hundred terms). Both factors start random
+(`init_lora_weights=False`), so A's gradient is not the zero that B = 0 would give. The frozen base weights
+must end bit-identical to where they started, hold no gradient and no optimizer state, and the dp group must
+carry no byte of theirs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_tp3d import TP3DStrategy
+from lightning_tp3d.callbacks.traffic import RecordTraffic
+from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.parallel.tensor import local_part
+from tests.distributed import run_distributed
+from tests.helpers import (
+    LEARNING_RATE,
+    SEQ_LEN,
+    CaptureGradients,
+    MemoryLogger,
+    reference_run,
+    trainer_kwargs,
+    world_size,
+)
+from tests.models.test_huggingface import hf_loss, hf_network
+
+peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
+RTOL, ATOL = 1e-5, 1e-7
+STEPS = 5
+GLOBAL_BATCH = 8
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_network() -> nn.Module:
+    """The tiny Llama of the Hugging Face tests with LoRA r 4 (alpha 8) on every projection, seeded."""
+    network = hf_network("llama")
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    return peft.get_peft_model(network, config)
+
+
+class LoraModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = lora_network()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:  # all parameters, as most projects write it
+        return torch.optim.AdamW(self.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+class FrozenWeights(Callback):
+    """This rank's shards of the frozen weights at the start and the end of fit, their gradients and the
+    optimizer state held for them."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = {name: local_part(parameter).detach().clone()
+                      for name, parameter in pl_module.named_parameters() if not parameter.requires_grad}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        frozen = {name: parameter for name, parameter in pl_module.named_parameters() if not parameter.requires_grad}
+        self.changed = [name for name, parameter in frozen.items()
+                        if not torch.equal(local_part(parameter).detach(), self.start[name])]
+        self.with_gradient = [name for name, parameter in frozen.items() if parameter.grad is not None]
+        frozen_ids = {id(parameter) for parameter in frozen.values()}
+        self.optimizer_states = sum(id(parameter) in frozen_ids for parameter in trainer.optimizers[0].state)
+        self.trainable_states = len(trainer.optimizers[0].state)
+
+
+RUNS: dict[int, dict[str, dict[str, Any]]] = {
+    8: {"lora-tp2-pp2-dp2-1f1b-replicate": dict(tp=2, pp=2, mode="replicate")},
+    4: {"lora-tp1-pp2-dp2-1f1b-fsdp": dict(tp=1, pp=2, mode="fsdp"),
+        "lora-tp2-pp1-dp2-zero1": dict(tp=2, pp=1, mode="zero1")},
+}
+CONFIGURATIONS = {name: configuration for runs in RUNS.values() for name, configuration in runs.items()}
+
+
+def _fit(name: str, tp: int, pp: int, mode: str) -> dict[str, Any]:
+    dp = world_size() // (tp * pp)
+    logger, capture, frozen, traffic = MemoryLogger(), CaptureGradients(), FrozenWeights(), RecordTraffic()
+    strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
+                            data_parallel_mode=mode)
+    trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger,
+                                         callbacks=[capture, frozen, traffic], max_steps=STEPS))
+    module = LoraModule()
+    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
+                                        val_fraction=0.2))
+    trainable_bytes = sum(local_part(parameter).numel() * parameter.element_size()
+                          for parameter in module.parameters() if parameter.requires_grad)
+    return {"dp_bytes": traffic.recorder.per_group().get("dp", {}).get("payload_bytes", 0),
+            "trainable_bytes": trainable_bytes, "losses": logger.values("train_loss"),
+            "first_grads": capture.first_grads, "changed": frozen.changed, "with_gradient": frozen.with_gradient,
+            "frozen_states": frozen.optimizer_states, "states": frozen.trainable_states}
+
+
+def run_world(world: int) -> dict[str, Any]:
+    return {name: _fit(name, **configuration) for name, configuration in RUNS[world].items()}
+
+
+@pytest.fixture(scope="module")
+def world_results() -> dict[str, list[dict[str, Any]]]:
+    results: dict[str, list[dict[str, Any]]] = {}
+    for world in RUNS:
+        per_rank = run_distributed(world, "tests.models.test_lora:run_world", world)
+        for name in per_rank[0]:
+            results[name] = [rank_result[name] for rank_result in per_rank]
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    return reference_run(STEPS, GLOBAL_BATCH, build_network=lora_network, loss_of=hf_loss)
+
+
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_lora_model_matches_single_process_at_every_layout(world_results, reference, name):
+    covered: set[str] = set()
+    for rank, rank_result in enumerate(world_results[name]):
+        torch.testing.assert_close(torch.tensor(rank_result["losses"]), torch.tensor(reference["losses"]),
+                                   rtol=RTOL, atol=0.0, msg=lambda message, rank=rank: f"{name} rank {rank}: {message}")
+        for key, gradient in rank_result["first_grads"].items():
+            torch.testing.assert_close(gradient, reference["first_grads"][key], rtol=RTOL, atol=ATOL,
+                                       msg=lambda message, rank=rank, key=key: f"{name} rank {rank} {key}: {message}")
+        covered.update(rank_result["first_grads"])
+    lora_gradients = {key for key in reference["first_grads"] if ".lora_" in key}
+    assert covered == lora_gradients == reference["first_grads"].keys(), f"{name}: only LoRA factors have gradients"
+    assert reference["losses"][-1] < reference["losses"][0], "the reference itself must learn"
+
+
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_frozen_base_weights_stay_bit_identical_without_gradient_or_optimizer_state(world_results, name):
+    for rank, rank_result in enumerate(world_results[name]):
+        assert rank_result["changed"] == [] and rank_result["with_gradient"] == [], (name, rank)
+        assert rank_result["frozen_states"] == 0 and rank_result["states"] > 0, (name, rank)
+
+
+def test_the_dp_group_carries_the_lora_gradients_only(world_results):
+    """Replicate mode all-reduces each gradient once a step: the dp payload is exactly this rank's trainable
+    bytes (4 x the local LoRA elements), none of the frozen base's."""
+    for rank, rank_result in enumerate(world_results["lora-tp2-pp2-dp2-1f1b-replicate"]):
+        assert rank_result["dp_bytes"] == rank_result["trainable_bytes"] > 0, (rank, rank_result["dp_bytes"])
