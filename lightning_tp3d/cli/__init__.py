@@ -49,12 +49,23 @@ def _export_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="replace OUTPUT even if it holds files that are not an earlier export")
     export.add_argument("--no-verify", action="store_true",
                         help="read the checkpoint without checking its files against their recorded hashes")
+    export.add_argument("--adapter", action="store_true",
+                        help="write the LoRA adapter alone, as a PEFT adapter folder (a PEFT LoRA checkpoint);"
+                             " without it a LoRA model is exported merged")
     export.set_defaults(run=_run_export)
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from lightning_tp3d.io.export import export_checkpoint
+    from lightning_tp3d.io.export import export_checkpoint, export_lora_adapter
 
+    if args.adapter:
+        if args.deploy_tp is not None:
+            raise ValueError("--deploy-tp shards a whole model; it does not go with --adapter.")
+        result = export_lora_adapter(args.checkpoint, args.output, dtype=args.dtype, overwrite=args.overwrite,
+                                     verify=not args.no_verify)
+        print(f"wrote {result.folder}: a PEFT LoRA adapter, {result.total_bytes:,} bytes of {args.dtype} tensors"
+              " (PeftModel.from_pretrained(base_model, folder))")
+        return 0
     result = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                deploy_tp=args.deploy_tp, overwrite=args.overwrite, verify=not args.no_verify)
     print(f"wrote {result.folder}: {len(result.files)} file(s), {result.total_bytes:,} bytes of {args.dtype} tensors")

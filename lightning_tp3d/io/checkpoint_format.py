@@ -114,6 +114,9 @@ class CheckpointMeta:
     consumed_samples_in_epoch: int = 0
     network_prefix: str = ""
     model_config: dict[str, Any] | None = None
+    # a PEFT LoRA model: {"prefix": "base_model.model.", "scaling": {layer: {adapter: alpha / r}},
+    # "configs": {adapter: its LoraConfig}}, what an export merges (`io.lora`)
+    lora: dict[str, Any] | None = None
     data_parallel_mode: str = "replicate"
     precision: str | None = None  # Lightning's training precision, e.g. "bf16-mixed"
     loss: float | None = None  # the last training loss (mean over dp replicas) before the save

@@ -4,7 +4,8 @@
 load as is: `config.json` (the trained model's own Hugging Face config when it was a `transformers`
 model, e.g. `Qwen2ForCausalLM` with its fields; `LlamaForCausalLM` for the reference decoder) and
 `model.safetensors`, or numbered shards
-`model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`. It streams: the files and their
+`model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`; a PEFT LoRA model is exported
+merged, its factors added to the weights they adapt (`io.lora`). It streams: the files and their
 headers are planned from the checkpoint's shapes, then each tensor is merged from the checkpoint's
 shards alone (`ModelTensorReader`), converted and written straight to its file (`io.hf.write_safetensors`),
 so memory stays near twice the largest tensor whatever the model size (no shard is buffered). The folder
@@ -37,13 +38,15 @@ from lightning_tp3d.io.hf import (
     hf_config_for,
     write_safetensors,
 )
+from lightning_tp3d.io.lora import LoraMerge, adapter_config, adapter_entries
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.sharding import hf_tensor_names
 from lightning_tp3d.plan.units import parse_size
 
-__all__ = ["ExportResult", "HF_EXPORT", "export_checkpoint"]
+__all__ = ["ADAPTER_EXPORT", "ExportResult", "HF_EXPORT", "export_checkpoint", "export_lora_adapter"]
 
-HF_EXPORT = "hf-export"  # the kind of folder this module writes (see `io.folders`)
+HF_EXPORT = "hf-export"  # the kinds of folder this module writes (see `io.folders`)
+ADAPTER_EXPORT = "lora-adapter-export"
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,20 @@ def export_checkpoint(
     prefix = meta.network_prefix
     shapes = {name.removeprefix(prefix): tuple(shape) for name, (shape, _) in reader.shapes.items()
               if name.startswith(prefix)}
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        return {name.removeprefix(prefix): tensor for name, tensor in reader.load([prefix + n for n in names]).items()}
+
+    def load(name: str) -> torch.Tensor:
+        return read([name])[name]
+
+    if meta.lora is not None:  # a PEFT LoRA model: its factors merged into the weights they adapt
+        merge = LoraMerge(meta.lora, shapes)
+        shapes = merge.shapes
+
+        def load(name: str) -> torch.Tensor:
+            return merge.load(name, read)
+
     missing = [name for name in required if name not in shapes]
     if missing:
         raise CheckpointError(
@@ -96,9 +113,6 @@ def export_checkpoint(
         )
     extra = shapes.keys() - set(required)  # e.g. Qwen2's q/k/v biases
     names = required + [name for name in shapes if name in extra]
-
-    def load(name: str) -> torch.Tensor:
-        return reader.load([prefix + name])[prefix + name]
 
     result = _write_hf_folder(output, hf_config_for(meta.model_config, EXPORT_DTYPES[dtype]),
                               [(name, shapes[name]) for name in names], load, EXPORT_DTYPES[dtype],
@@ -114,5 +128,34 @@ def _write_hf_folder(output: Path, config: dict[str, Any], entries: list[tuple[s
     partial = staging_folder(output, HF_EXPORT)
     files, total = write_safetensors(partial, entries, dtype, load, max_shard_bytes)
     (partial / "config.json").write_text(json.dumps(config, indent=2))
+    replace_folder(partial, output)
+    return ExportResult(output, files, total)
+
+
+def export_lora_adapter(checkpoint: str | Path, output: str | Path, dtype: str = "fp32", overwrite: bool = False,
+                        verify: bool = True) -> ExportResult:
+    """Write the LoRA adapter of a PEFT checkpoint (any layout) as the folder `PeftModel.from_pretrained(base,
+    output)` and vLLM's LoRA loading read: `adapter_config.json` and `adapter_model.safetensors`
+    (`io.lora`). `output` is handled as by `export_checkpoint`."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(EXPORT_DTYPES)}.")
+    checkpoint, output = Path(checkpoint), Path(output)
+    check_output_folder(output, ADAPTER_EXPORT, overwrite)
+    reader = ModelTensorReader(checkpoint, verify)
+    if reader.meta.lora is None:
+        raise CheckpointError(f"{checkpoint} holds no LoRA adapter (it was not saved from a PEFT LoRA model);"
+                              " export the whole model without --adapter.")
+    prefix = reader.meta.network_prefix
+    shapes = {name.removeprefix(prefix): tuple(shape) for name, (shape, _) in reader.shapes.items()
+              if name.startswith(prefix)}
+    entries = adapter_entries(reader.meta.lora, shapes)
+
+    def load(name: str) -> torch.Tensor:
+        return reader.load([prefix + entries[name]])[prefix + entries[name]]
+
+    partial = staging_folder(output, ADAPTER_EXPORT)
+    files, total = write_safetensors(partial, [(name, shapes[source]) for name, source in entries.items()],
+                                     EXPORT_DTYPES[dtype], load, max_bytes=2**62, stem="adapter_model")
+    (partial / "adapter_config.json").write_text(json.dumps(adapter_config(reader.meta.lora), indent=2))
     replace_folder(partial, output)
     return ExportResult(output, files, total)

@@ -74,9 +74,10 @@ def hf_config_for(saved: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- write
 def write_safetensors(folder: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
                        load: Callable[[str], torch.Tensor], max_bytes: int,
-                       metadata: dict[str, str] | None = None) -> tuple[tuple[str, ...], int]:
+                       metadata: dict[str, str] | None = None, stem: str = "model") -> tuple[tuple[str, ...], int]:
     """Write `entries` (name, shape) as safetensors files of at most `max_bytes` each (a larger tensor gets
-    a file of its own), loading one tensor at a time with `load` and writing its bytes straight to disk.
+    a file of its own), loading one tensor at a time with `load` and writing its bytes straight to disk;
+    the files are `<stem>.safetensors`, or numbered `<stem>-0000k-of-0000n.safetensors` with an index.
 
     The files are planned from the shapes before any tensor is read, so every header is known up front
     and no shard is ever held in memory (see `_write_tensors` for the peak). Format: 8-byte
@@ -93,8 +94,8 @@ def write_safetensors(folder: Path, entries: list[tuple[str, tuple[int, ...]]], 
         shards[-1].append((name, shape, size))
         shard_bytes += size
     count = len(shards)
-    names = ["model.safetensors"] if count == 1 else [f"model-{index:05d}-of-{count:05d}.safetensors"
-                                                       for index in range(1, count + 1)]
+    names = [f"{stem}.safetensors"] if count == 1 else [f"{stem}-{index:05d}-of-{count:05d}.safetensors"
+                                                         for index in range(1, count + 1)]
     header_metadata = {"format": "pt", **(metadata or {})}
     largest = max(size for shard in shards for _, _, size in shard)
     total, weight_map = 0, {}
@@ -117,7 +118,7 @@ def write_safetensors(folder: Path, entries: list[tuple[str, tuple[int, ...]]], 
         total += offset
     if count > 1:
         index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / SAFETENSORS_INDEX).write_text(json.dumps(index_file, indent=2))
+        (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index_file, indent=2))
     return tuple(names), total
 
 

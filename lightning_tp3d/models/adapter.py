@@ -11,7 +11,8 @@ supplies them for its family:
 * `pipeline_stages()`: how a stage computes from its modules, checks the network's call and shapes what
   it returns (`parallel.pipeline.stages`), and `loss_function(network)`, the loss of a micro-batch;
 * `config_record(network)`: the network's config as a checkpoint's `meta.json` records it, from which an
-  export writes `config.json` (`io.hf.hf_config_for`).
+  export writes `config.json` (`io.hf.hf_config_for`), and `lora_record(network)`, the LoRA factors an
+  export merges into the weights (`io.lora`; None for a plain model).
 
 This base class is the decoder with Hugging Face Llama names (`model.embed_tokens`, `model.layers.{i}`,
 `model.norm`, `lm_head`): the reference decoder (`models.llama`) and any network written that way.
@@ -120,6 +121,10 @@ class ModelAdapter:
         """What `meta.json` records of the config: its `to_dict()` (the reference `ModelConfig`'s fields)."""
         config = self.config(network)
         return config.to_dict() if hasattr(config, "to_dict") else None
+
+    def lora_record(self, network: nn.Module) -> dict[str, Any] | None:
+        """What an export merges into the weights (`CheckpointMeta.lora`): nothing for a plain model."""
+        return None
 
     def overridden(self, layers_attribute: str | None = None, first_modules: tuple[str, ...] | None = None,
                    last_modules: tuple[str, ...] | None = None, tp_plan: Mapping[str, ParallelStyle] | None = None,

@@ -101,7 +101,9 @@ class PeftLoraAdapter(ModelAdapter):
     Built by `around(inner, network)`, which reads the LoRA layers the network holds."""
 
     inner: ModelAdapter = dataclasses.field(default_factory=ModelAdapter)
-    lora_layers: tuple[str, ...] = ()  # names (relative to the network) of the LoRA-wrapped layers
+    # the LoRA-wrapped layers (names relative to the network) -> their scaling alpha / r per adapter, read
+    # from the whole network (a pipeline stage holds only its own layers)
+    lora_layers: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
     refused_under_tp: str | None = None  # why this model cannot be tensor parallel, if it cannot
 
     @classmethod
@@ -123,7 +125,8 @@ class PeftLoraAdapter(ModelAdapter):
                 raise TypeError(f"PEFT adapter {name!r} is {config.peft_type.value}; the strategy trains LoRA adapters"
                                 " (and QLoRA) only.")
         modules = dict(network.named_modules())
-        lora_layers = tuple(name for name, module in modules.items() if isinstance(module, LoraLayer))
+        lora_layers = {name: {adapter: float(value) for adapter, value in module.scaling.items()}
+                       for name, module in modules.items() if isinstance(module, LoraLayer)}
         reasons = []
         if any(isinstance(module, ModulesToSaveWrapper) for module in modules.values()):
             reasons.append("modules_to_save keeps a trainable copy of a module the tp_plan shards; train it with"
@@ -168,6 +171,13 @@ class PeftLoraAdapter(ModelAdapter):
         """The adapted model's config: an export of the merged weights is that model."""
         return self.inner.config_record(self.inner_network(network))
 
+    def lora_record(self, network: nn.Module) -> dict[str, Any]:
+        """The prefix, each LoRA layer's scaling alpha / r per adapter (relative to the adapted model) and the
+        adapters' configs, as `meta.json` records them for the merged export (`io.lora`)."""
+        scaling = {name.removeprefix(PEFT_PREFIX): dict(adapters) for name, adapters in self.lora_layers.items()}
+        return {"prefix": PEFT_PREFIX, "scaling": scaling,
+                "configs": {adapter: _json_config(config) for adapter, config in network.peft_config.items()}}
+
 
 def _lora_entries(pattern: str, style: ParallelStyle, example: str) -> dict[str, ParallelStyle]:
     """The plan entries of a LoRA layer whose base layer the plan gives `style` (see the module docstring)."""
@@ -185,3 +195,19 @@ def _lora_entries(pattern: str, style: ParallelStyle, example: str) -> dict[str,
         return {f"{pattern}.base_layer": style, f"{pattern}.lora_A.*": lora_a}
     raise ValueError(f"LoRA on {example}: its base layer's tp_plan style {type(style).__name__} has no LoRA"
                      " sharding; leave it out of target_modules or pass a tp_plan without it.")
+
+
+def _json_config(config: Any) -> dict[str, Any]:
+    """A PEFT config as JSON values (sets as sorted lists, enums as their values)."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, (set, frozenset)):
+            return sorted(plain(item) for item in value)
+        if isinstance(value, (list, tuple)):
+            return [plain(item) for item in value]
+        if isinstance(value, dict):
+            return {str(key): plain(item) for key, item in value.items()}
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            return value
+        return getattr(value, "value", str(value))
+
+    return plain(config.to_dict())

@@ -27,6 +27,7 @@ from lightning_tp3d.diagnostics.doctor import DoctorReport, run_doctor
 from lightning_tp3d.io.checkpoint import PendingSave, save_checkpoint
 from lightning_tp3d.io.checkpoint_format import CheckpointMeta
 from lightning_tp3d.io.hf import load_hf_weights
+from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.parallel.data_parallel import DataParallel, build_data_parallel
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
 from lightning_tp3d.parallel.mesh import build_device_mesh, mesh_device
@@ -54,7 +55,6 @@ class ParallelCore:
             raise TypeError("ParallelCore takes a ParallelOptions or its keyword arguments, not both.")
         options = options if options is not None else ParallelOptions(**option_values)
         self.options = options
-        self.pretrained = options.pretrained
         self.preflight_report: DoctorReport | None = None
         self.pipeline: PipelineRunner | None = None
         self.sample_position = SamplePosition()
@@ -62,6 +62,7 @@ class ParallelCore:
         self._layout: ParallelLayout | None = None
         self._mesh: DeviceMesh | None = None
         self._parallelized: nn.Module | None = None
+        self._model_adapter: ModelAdapter | None = None  # the parallel network's, read before it was split
         self._handover: GradientHandOver | None = None
         self._data_parallel_plan: DataParallelPlan | None = None
         self._data_parallel: DataParallel | None = None
@@ -130,15 +131,21 @@ class ParallelCore:
         is already parallel."""
         if network is self._parallelized:
             return False
+        self._model_adapter = self.options.model_adapter_for(network)
         self.pipeline, self._handover = parallelize_network(network, config, self.layout, self.mesh, self.options,
-                                                            self.options.model_adapter_for(network),
-                                                            self.data_parallel, loss_scale, device)
+                                                            self._model_adapter, self.data_parallel, loss_scale,
+                                                            device)
         self._parallelized = network
         return True
 
+    def model_adapter_of(self, network: nn.Module) -> ModelAdapter:
+        """`network`'s `ModelAdapter`: the one read from the whole network before it was parallelised."""
+        known = network is self._parallelized and self._model_adapter is not None
+        return self._model_adapter if known else self.options.model_adapter_for(network)
+
     def load_pretrained(self, network: nn.Module) -> None:
-        if self.pretrained is not None:
-            load_hf_weights(network, self.pretrained)
+        if self.options.pretrained is not None:
+            load_hf_weights(network, self.options.pretrained)
 
     # ------------------------------------------------------------------ step
     def take_pipeline_gradients(self) -> None:
@@ -192,13 +199,14 @@ class ParallelCore:
                         losses: dict[str, float] | None = None) -> CheckpointMeta:
         """What `meta.json` records: layout, step, data position, the network's config."""
         position = self.sample_position
-        config_record = self.options.model_adapter_for(network).config_record(network)
+        adapter = self.model_adapter_of(network)
         return CheckpointMeta(
             layout=self.layout.to_dict(), world_size=world_size, global_step=global_step, epoch=epoch,
             consumed_samples=position.consumed,
             consumed_samples_in_epoch=position.consumed_in_epoch if position.epoch == epoch else 0,
             network_prefix=network_prefix, data_parallel_mode=self.options.data_parallel_mode,
-            model_config=config_record, precision=precision, **(losses or {}),
+            model_config=adapter.config_record(network), lora=adapter.lora_record(network), precision=precision,
+            **(losses or {}),
         )
 
     def save(self, path: Path, model_state: dict[str, Any], optimizer_states: Sequence[dict[str, Any]],

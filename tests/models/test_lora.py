@@ -12,17 +12,21 @@ carry no byte of theirs.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.callbacks.traffic import RecordTraffic
 from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.io.export import export_checkpoint
 from lightning_tp3d.parallel.tensor import local_part
 from tests.distributed import run_distributed
 from tests.helpers import (
@@ -34,9 +38,10 @@ from tests.helpers import (
     trainer_kwargs,
     world_size,
 )
-from tests.models.test_huggingface import hf_loss, hf_network
+from tests.models.test_huggingface import SHAPE, hf_loss, hf_network
 
 peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
 
 RTOL, ATOL = 1e-5, 1e-7
@@ -86,20 +91,23 @@ class FrozenWeights(Callback):
 
 
 RUNS: dict[int, dict[str, dict[str, Any]]] = {
-    8: {"lora-tp2-pp2-dp2-1f1b-replicate": dict(tp=2, pp=2, mode="replicate")},
+    8: {"lora-tp2-pp2-dp2-1f1b-replicate": dict(tp=2, pp=2, mode="replicate", save=True)},
     4: {"lora-tp1-pp2-dp2-1f1b-fsdp": dict(tp=1, pp=2, mode="fsdp"),
         "lora-tp2-pp1-dp2-zero1": dict(tp=2, pp=1, mode="zero1")},
 }
 CONFIGURATIONS = {name: configuration for runs in RUNS.values() for name, configuration in runs.items()}
 
 
-def _fit(name: str, tp: int, pp: int, mode: str) -> dict[str, Any]:
+def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = False) -> dict[str, Any]:
     dp = world_size() // (tp * pp)
     logger, capture, frozen, traffic = MemoryLogger(), CaptureGradients(), FrozenWeights(), RecordTraffic()
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
                             data_parallel_mode=mode)
-    trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger,
-                                         callbacks=[capture, frozen, traffic], max_steps=STEPS))
+    callbacks = [capture, frozen, traffic]
+    if save:
+        callbacks.append(ModelCheckpoint(dirpath=directory, filename=name, every_n_train_steps=STEPS))
+    trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger, callbacks=callbacks,
+                                         enable_checkpointing=save, max_steps=STEPS))
     module = LoraModule()
     trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
                                         val_fraction=0.2))
@@ -107,19 +115,25 @@ def _fit(name: str, tp: int, pp: int, mode: str) -> dict[str, Any]:
                           for parameter in module.parameters() if parameter.requires_grad)
     return {"dp_bytes": traffic.recorder.per_group().get("dp", {}).get("payload_bytes", 0),
             "trainable_bytes": trainable_bytes, "losses": logger.values("train_loss"),
+            "final_params": capture.final_params,
             "first_grads": capture.first_grads, "changed": frozen.changed, "with_gradient": frozen.with_gradient,
             "frozen_states": frozen.optimizer_states, "states": frozen.trainable_states}
 
 
-def run_world(world: int) -> dict[str, Any]:
-    return {name: _fit(name, **configuration) for name, configuration in RUNS[world].items()}
+def run_world(world: int, directory: str) -> dict[str, Any]:
+    return {name: _fit(Path(directory), name, **configuration) for name, configuration in RUNS[world].items()}
 
 
 @pytest.fixture(scope="module")
-def world_results() -> dict[str, list[dict[str, Any]]]:
+def directory(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lora")
+
+
+@pytest.fixture(scope="module")
+def world_results(directory) -> dict[str, list[dict[str, Any]]]:
     results: dict[str, list[dict[str, Any]]] = {}
     for world in RUNS:
-        per_rank = run_distributed(world, "tests.models.test_lora:run_world", world)
+        per_rank = run_distributed(world, "tests.models.test_lora:run_world", world, str(directory))
         for name in per_rank[0]:
             results[name] = [rank_result[name] for rank_result in per_rank]
     return results
@@ -157,3 +171,48 @@ def test_the_dp_group_carries_the_lora_gradients_only(world_results):
     bytes (4 x the local LoRA elements), none of the frozen base's."""
     for rank, rank_result in enumerate(world_results["lora-tp2-pp2-dp2-1f1b-replicate"]):
         assert rank_result["dp_bytes"] == rank_result["trainable_bytes"] > 0, (rank, rank_result["dp_bytes"])
+
+
+def test_the_merged_export_loads_in_transformers_with_the_live_models_logits(world_results, directory):
+    """The (2, 2, 2) checkpoint exported merged (W + (alpha / r) B A per tensor) is a plain LlamaForCausalLM
+    whose logits equal the trained PEFT model's, its weights gathered from the ranks' stages (fp32: the
+    merge reorders one sum per weight, rounding ~1e-7 on logits of order 1; a factor left out or scaled
+    wrongly moves them by ~1e-2)."""
+    name = "lora-tp2-pp2-dp2-1f1b-replicate"
+    trained = {key: value for rank_result in world_results[name] for key, value in rank_result["final_params"].items()}
+    live = lora_network()
+    assert live.load_state_dict(trained, strict=False).missing_keys == []
+    export_checkpoint(directory / f"{name}.ckpt", directory / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(directory / "merged")
+    plain = hf_network("llama")
+    assert type(merged) is type(plain)
+    assert {key: value.shape for key, value in merged.state_dict().items()} == {
+        key: value.shape for key, value in plain.state_dict().items()}
+    prompt = torch.randint(0, SHAPE["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected, exported = live(input_ids=prompt).logits, merged(input_ids=prompt).logits
+        base = plain(input_ids=prompt).logits
+    torch.testing.assert_close(exported, expected, rtol=0.0, atol=1e-5)
+    assert (base - expected).abs().max() > 1e-3  # the adapters changed what the model computes
+
+
+def test_the_adapter_export_loads_in_peft_with_the_live_models_logits(world_results, directory):
+    """`tp3d export CKPT OUT --adapter`: a PEFT adapter folder that `PeftModel.from_pretrained` puts on the
+    untrained base, computing the trained model's logits (the factors as trained, fp32 1e-5)."""
+    name = "lora-tp2-pp2-dp2-1f1b-replicate"
+    trained = {key: value for rank_result in world_results[name] for key, value in rank_result["final_params"].items()}
+    live = lora_network()
+    live.load_state_dict(trained, strict=False)
+    command = [sys.executable, "-m", "lightning_tp3d.cli", "export", str(directory / f"{name}.ckpt"),
+               str(directory / "adapter"), "--adapter"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert sorted(path.name for path in (directory / "adapter").iterdir() if not path.name.startswith(".")) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    loaded = peft.PeftModel.from_pretrained(hf_network("llama"), directory / "adapter")
+    prompt = torch.randint(0, SHAPE["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=prompt).logits, live(input_ids=prompt).logits, rtol=0.0, atol=1e-5)
+    refused = subprocess.run([*command[:-1], "--adapter", "--deploy-tp", "2"], capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode != 0 and "--deploy-tp shards a whole model" in refused.stderr
