@@ -117,6 +117,9 @@ class CheckpointMeta:
     # a PEFT LoRA model: {"prefix": "base_model.model.", "scaling": {layer: {adapter: alpha / r}},
     # "configs": {adapter: its LoraConfig}}, what an export merges (`io.lora`)
     lora: dict[str, Any] | None = None
+    # the frozen weights left out of the checkpoint (`save_frozen_weights=False`): {"tensors": count,
+    # "sha256": the digest of their names and whole contents, the same at every layout}
+    frozen_weights: dict[str, Any] | None = None
     data_parallel_mode: str = "replicate"
     precision: str | None = None  # Lightning's training precision, e.g. "bf16-mixed"
     loss: float | None = None  # the last training loss (mean over dp replicas) before the save

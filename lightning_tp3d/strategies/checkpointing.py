@@ -9,11 +9,13 @@ mode; under ZeRO-1 the optimizers hold parts of the parameters and are read thro
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -23,14 +25,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from lightning_tp3d.io.checkpoint import load_checkpoint, load_rng_state
-from lightning_tp3d.io.checkpoint_format import MODEL_GROUP, CheckpointMeta
+from lightning_tp3d.io.checkpoint_format import MODEL_GROUP, CheckpointError, CheckpointMeta, read_meta
 from lightning_tp3d.io.random_state import restore_rng_state
 from lightning_tp3d.models.adapter import shaped_config
 from lightning_tp3d.plan.layout import ParallelLayout
 
-__all__ = ["FLAT_OPTIMIZER_STATE", "UNSTEPPED", "load_states", "model_config",
+__all__ = ["FLAT_OPTIMIZER_STATE", "UNSTEPPED", "frozen_names", "frozen_weights_fingerprint", "load_states",
+           "model_config",
            "optimizer_state", "restore_random_states", "sharded_state"]
 
 # Flattened optimizer state is keyed by parameter name (`state.<name>.exp_avg`), not by position, so the
@@ -63,17 +67,55 @@ def sharded_state(model_state: dict[str, Any], optimizer_states: Sequence[dict[s
     return {MODEL_GROUP: model_state, **optimizers}
 
 
+def frozen_names(module: nn.Module) -> set[str]:
+    """The names of `module`'s parameters that do not train."""
+    return {name for name, parameter in module.named_parameters() if not parameter.requires_grad}
+
+
+def frozen_weights_fingerprint(module: nn.Module, pp_group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """The digest of the frozen weights, the same at every layout: the SHA-256 of each whole tensor (a
+    DTensor is gathered, one tensor at a time) by name, from every pipeline stage (gathered over `pp_group`),
+    hashed in name order. A collective over each parameter's mesh and over `pp_group`."""
+    digests = {}
+    for name, parameter in module.named_parameters():
+        if not parameter.requires_grad:
+            whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+            data = whole.detach().cpu().contiguous().flatten().view(torch.uint8).numpy()
+            digests[name] = f"{whole.dtype}{tuple(whole.shape)}:{hashlib.sha256(data).hexdigest()}"
+    stages = [digests]
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        stages = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(stages, digests, group=pp_group)
+    merged = {name: digest for stage in stages for name, digest in stage.items()}
+    text = "".join(f"{name}={digest}\n" for name, digest in sorted(merged.items()))
+    return {"tensors": len(merged), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
 def load_states(path: Path, module: nn.Module, owner: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                strict: bool, verify: bool) -> tuple[CheckpointMeta, dict[str, Any]]:
+                strict: bool, verify: bool, pp_group: dist.ProcessGroup | None = None
+                ) -> tuple[CheckpointMeta, dict[str, Any]]:
     """Fill `module` and `optimizers` (whose parameters are `owner`'s) from the checkpoint at `path`, of any
-    layout; return its meta and the saved trainer state."""
+    layout; return its meta and the saved trainer state. A checkpoint without the frozen weights
+    (`save_frozen_weights=False`) leaves them as the module built them, after checking that they are the
+    weights it was trained on (`frozen_weights_fingerprint`)."""
     model_state = get_model_state_dict(module)
+    recorded = read_meta(path).frozen_weights
+    if recorded is not None:
+        model_state = {name: value for name, value in model_state.items() if name not in frozen_names(module)}
+        found = frozen_weights_fingerprint(module, pp_group)
+        if found != recorded:
+            raise CheckpointError(
+                f"{path} was saved without its frozen weights ({recorded.get('tensors')} tensors, sha256"
+                f" {str(recorded.get('sha256'))[:12]}...), and the module's frozen weights differ ({found['tensors']}"
+                f" tensors, sha256 {found['sha256'][:12]}...): build the same base model (the same folder or seed)"
+                " before resuming."
+            )
     optimizer_states = [optimizer_state(owner, optimizer) for optimizer in optimizers]
     for state in optimizer_states:
         state[UNSTEPPED] = False  # unless the checkpoint says so
     meta, trainer_state = load_checkpoint(path, sharded_state(model_state, optimizer_states), strict=strict,
                                           verify=verify)
-    set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
+    set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict and recorded is None))
     for optimizer, state in zip(optimizers, optimizer_states):
         unstepped = state.pop(UNSTEPPED)
         set_optimizer_state_dict(owner, optimizer, state, options=FLAT_OPTIMIZER_STATE)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from lightning_tp3d.parallel.pipeline import GradientHandOver, PipelineRunner
 from lightning_tp3d.plan.data_parallel import DataParallelPlan, choose_data_parallel
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.strategies.checkpointing import (
+    frozen_names,
+    frozen_weights_fingerprint,
     load_states,
     optimizer_state,
     restore_random_states,
@@ -211,10 +214,16 @@ class ParallelCore:
 
     def save(self, path: Path, model_state: dict[str, Any], optimizer_states: Sequence[dict[str, Any]],
              trainer_state: dict[str, Any], meta: CheckpointMeta, asynchronous: bool = False,
-             process_group: torch.distributed.ProcessGroup | None = None) -> PendingSave:
+             process_group: torch.distributed.ProcessGroup | None = None, module: nn.Module | None = None
+             ) -> PendingSave:
         """Write the module's and optimizers' states (see `states_of`), the loop's `trainer_state`, this
         rank's random states and `meta` (see `checkpoint_meta`) as a sharded checkpoint folder at `path`;
-        with `asynchronous`, finish the returned `PendingSave` later (a collective)."""
+        with `asynchronous`, finish the returned `PendingSave` later (a collective). With
+        `save_frozen_weights=False`, `module`'s frozen weights are left out and fingerprinted."""
+        if not self.options.save_frozen_weights and module is not None:
+            frozen = frozen_names(module)
+            model_state = {name: value for name, value in model_state.items() if name not in frozen}
+            meta = replace(meta, frozen_weights=frozen_weights_fingerprint(module, self.group("pp")))
         return save_checkpoint(path, sharded_state(model_state, optimizer_states), trainer_state, meta,
                                asynchronous=asynchronous, process_group=process_group)
 
@@ -223,7 +232,7 @@ class ParallelCore:
         """Fill `module` and `optimizers` from a checkpoint of any layout, restore this rank's random states
         (same layout only) and the consumed-samples position; return the meta and the saved trainer state."""
         meta, trainer_state = load_states(path, module, self.data_parallel.optimizer_owner(module), optimizers, strict,
-                                          self.options.verify_checkpoints)
+                                          self.options.verify_checkpoints, self.group("pp"))
         restore_random_states(path, meta, self.layout, global_rank)
         rank_zero_info(f"Resuming at step {meta.global_step}, epoch {meta.epoch}, after"
                        f" {meta.consumed_samples_in_epoch} samples of the epoch ({meta.consumed_samples} in all).")

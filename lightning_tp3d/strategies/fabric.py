@@ -86,6 +86,9 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
     def __init__(self, *, process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **options: Any) -> None:
         parallel_options = ParallelOptions.from_keywords(type(self).__name__, options)
+        if not parallel_options.save_frozen_weights:
+            raise ValueError("save_frozen_weights=False is an option of the Trainer strategy; with Fabric, leave the"
+                             " frozen weights out with fabric.save(path, state, filter={'model': ...}).")
         tp, _, dp = parallel_options.sizes
         super().__init__(parallelize_fn=self._parallelize, data_parallel_size=dp, tensor_parallel_size=tp,
                          save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)

@@ -119,6 +119,10 @@ class ParallelOptions:
         " step-interval LR schedulers (`strategies.non_finite`), logged as `skipped_steps`.")
     max_consecutive_skips: int = _option(
         5, "skipped steps in a row after which training stops with `NonFiniteStepsError`.")
+    save_frozen_weights: bool = _option(
+        True, "False: a checkpoint holds what trains (a LoRA model's adapters), its optimizer and loop state, and a"
+        " fingerprint of the frozen weights instead of them; a resume rebuilds those (`from_pretrained`,"
+        " `pretrained=`, the same seeded init) and is refused if they differ (Trainer strategy).")
     verify_checkpoints: bool = _option(
         True, "check every file of a checkpoint against the SHA-256 recorded when it was written before loading"
         " it (each rank hashes a share); False loads a damaged checkpoint unchecked.")

@@ -292,7 +292,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         asynchronous = (self._async_checkpoint and trainer_state.fn == TrainerFn.FITTING
                         and trainer_state.status == TrainerStatus.RUNNING)
         self._pending_save = self.core.save(path, model_state, optimizer_states, checkpoint, meta,
-                                            asynchronous=asynchronous, process_group=self._checkpoint_group)
+                                            asynchronous=asynchronous, process_group=self._checkpoint_group,
+                                            module=self.lightning_module)
 
     def finish_pending_save(self) -> None:
         """Wait for an asynchronous save and move it under its name (a collective; a no-op without one)."""

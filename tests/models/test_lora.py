@@ -12,6 +12,8 @@ carry no byte of theirs.
 
 from __future__ import annotations
 
+import collections
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +28,8 @@ from torch import nn
 from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.callbacks.traffic import RecordTraffic
 from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.io.checkpoint_format import CheckpointError, ModelTensorReader
+from lightning_tp3d.io.dcp_files import read_dcp_index
 from lightning_tp3d.io.export import export_checkpoint
 from lightning_tp3d.parallel.tensor import local_part
 from tests.distributed import run_distributed
@@ -59,9 +63,12 @@ def lora_network() -> nn.Module:
 
 
 class LoraModule(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, other_base: bool = False) -> None:
         super().__init__()
         self.model = lora_network()
+        if other_base:  # a base model that differs from the one the adapters were trained on in one weight
+            with torch.no_grad():
+                self.model.base_model.model.model.norm.weight.add_(0.01)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
@@ -93,27 +100,41 @@ class FrozenWeights(Callback):
 RUNS: dict[int, dict[str, dict[str, Any]]] = {
     8: {"lora-tp2-pp2-dp2-1f1b-replicate": dict(tp=2, pp=2, mode="replicate", save=True)},
     4: {"lora-tp1-pp2-dp2-1f1b-fsdp": dict(tp=1, pp=2, mode="fsdp"),
-        "lora-tp2-pp1-dp2-zero1": dict(tp=2, pp=1, mode="zero1")},
+        "lora-tp2-pp1-dp2-zero1": dict(tp=2, pp=1, mode="zero1"),
+        "adapters-only-tp2-pp2-dp1": dict(tp=2, pp=2, mode="replicate", save=True, save_frozen_weights=False)},
 }
+# The adapter-only checkpoint saved at (2, 2, 1) after STEPS steps, resumed at (1, 2, 2) for RESUMED_STEPS
+# more, and refused with a base model that differs.
+RESUMED_STEPS = 3
+RESUMES = {"adapters-only-resumed-tp1-pp2-dp2": dict(tp=1, pp=2, mode="fsdp", save_frozen_weights=False,
+                                                     resume="adapters-only-tp2-pp2-dp1"),
+           "adapters-only-other-base": dict(tp=1, pp=2, mode="fsdp", save_frozen_weights=False,
+                                            resume="adapters-only-tp2-pp2-dp1", other_base=True)}
 CONFIGURATIONS = {name: configuration for runs in RUNS.values() for name, configuration in runs.items()}
 
 
-def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = False) -> dict[str, Any]:
+def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = False, save_frozen_weights: bool = True,
+         resume: str | None = None, other_base: bool = False) -> dict[str, Any]:
     dp = world_size() // (tp * pp)
     logger, capture, frozen, traffic = MemoryLogger(), CaptureGradients(), FrozenWeights(), RecordTraffic()
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
-                            data_parallel_mode=mode)
+                            data_parallel_mode=mode, save_frozen_weights=save_frozen_weights)
     callbacks = [capture, frozen, traffic]
     if save:
         callbacks.append(ModelCheckpoint(dirpath=directory, filename=name, every_n_train_steps=STEPS))
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger, callbacks=callbacks,
-                                         enable_checkpointing=save, max_steps=STEPS))
-    module = LoraModule()
-    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
-                                        val_fraction=0.2))
+                                         enable_checkpointing=save,
+                                         max_steps=STEPS + RESUMED_STEPS if resume else STEPS))
+    module = LoraModule(other_base)
+    data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2)
+    try:
+        trainer.fit(module, data, ckpt_path=str(directory / f"{resume}.ckpt") if resume else None)
+    except CheckpointError as error:
+        return {"error": str(error)}
     trainable_bytes = sum(local_part(parameter).numel() * parameter.element_size()
                           for parameter in module.parameters() if parameter.requires_grad)
-    return {"dp_bytes": traffic.recorder.per_group().get("dp", {}).get("payload_bytes", 0),
+    recorded = traffic.recorder.per_group() if traffic.recorder is not None else {}  # a resumed run starts later
+    return {"dp_bytes": recorded.get("dp", {}).get("payload_bytes", 0),
             "trainable_bytes": trainable_bytes, "losses": logger.values("train_loss"),
             "final_params": capture.final_params,
             "first_grads": capture.first_grads, "changed": frozen.changed, "with_gradient": frozen.with_gradient,
@@ -121,7 +142,8 @@ def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = F
 
 
 def run_world(world: int, directory: str) -> dict[str, Any]:
-    return {name: _fit(Path(directory), name, **configuration) for name, configuration in RUNS[world].items()}
+    runs = RUNS[world] | (RESUMES if world == 4 else {})
+    return {name: _fit(Path(directory), name, **configuration) for name, configuration in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +238,28 @@ def test_the_adapter_export_loads_in_peft_with_the_live_models_logits(world_resu
     refused = subprocess.run([*command[:-1], "--adapter", "--deploy-tp", "2"], capture_output=True, text=True,
                              timeout=300)
     assert refused.returncode != 0 and "--deploy-tp shards a whole model" in refused.stderr
+
+
+def test_an_adapter_only_checkpoint_holds_the_adapters_and_resumes_exactly_at_another_layout(world_results,
+                                                                                            directory):
+    """`save_frozen_weights=False` at (2, 2, 1): the checkpoint holds the LoRA factors alone (a fingerprint
+    of the frozen base in meta.json), and resumed at (1, 2, 2) FSDP the next steps' losses are the
+    uninterrupted single-process run's; with a base that differs in one weight the resume is refused."""
+    reader = ModelTensorReader(directory / "adapters-only-tp2-pp2-dp1.ckpt")
+    assert reader.shapes and all(".lora_" in name for name in reader.shapes), sorted(reader.shapes)[:3]
+    assert reader.meta.frozen_weights["tensors"] == sum(not p.requires_grad for p in lora_network().parameters())
+    # the tensors it holds: the factors, and AdamW's two moments of each plus its step count; not the base
+    tensor_bytes = collections.Counter()
+    for key, entry in read_dcp_index(directory / "adapters-only-tp2-pp2-dp1.ckpt").state_dict_metadata.items():
+        if hasattr(entry, "size"):
+            tensor_bytes[key.split(".")[0]] += math.prod(entry.size) * entry.properties.dtype.itemsize
+    trainable = [p for p in lora_network().parameters() if p.requires_grad]
+    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    assert tensor_bytes == {"module": trainable_bytes, "optimizer_0": 2 * trainable_bytes + 4 * len(trainable)}
+    reference = reference_run(STEPS + RESUMED_STEPS, GLOBAL_BATCH, build_network=lora_network, loss_of=hf_loss)
+    for rank, rank_result in enumerate(world_results["adapters-only-resumed-tp1-pp2-dp2"]):
+        torch.testing.assert_close(torch.tensor(rank_result["losses"]), torch.tensor(reference["losses"][STEPS:]),
+                                   rtol=RTOL, atol=0.0, msg=lambda message, rank=rank: f"rank {rank}: {message}")
+    for rank_result in world_results["adapters-only-other-base"]:
+        assert "saved without its frozen weights" in rank_result["error"], rank_result
+        assert "build the same base model" in rank_result["error"]
