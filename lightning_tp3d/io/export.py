@@ -79,6 +79,12 @@ def export_checkpoint(
         check_output_folder(deploy_folder(output, deploy_tp), DEPLOY_SHARDS, overwrite)
     reader = ModelTensorReader(checkpoint, verify)  # checked once, then read one tensor at a time
     meta = reader.meta
+    if meta.frozen_weights is not None:
+        raise CheckpointError(
+            f"{checkpoint} holds only what trained (saved with save_frozen_weights=False), not the frozen base a"
+            " merged export needs: export the adapter with --adapter (export_lora_adapter), or save a full"
+            " checkpoint (save_frozen_weights=True) to export the merged model."
+        )
     if meta.model_config is None:
         raise CheckpointError(
             f"{checkpoint} records no model config (its network has no `config` with Hugging Face names), so the"

@@ -260,6 +260,8 @@ def test_an_adapter_only_checkpoint_holds_the_adapters_and_resumes_exactly_at_an
     for rank, rank_result in enumerate(world_results["adapters-only-resumed-tp1-pp2-dp2"]):
         torch.testing.assert_close(torch.tensor(rank_result["losses"]), torch.tensor(reference["losses"][STEPS:]),
                                    rtol=RTOL, atol=0.0, msg=lambda message, rank=rank: f"rank {rank}: {message}")
+    with pytest.raises(CheckpointError, match="holds only what trained .* export the adapter with --adapter"):
+        export_checkpoint(directory / "adapters-only-tp2-pp2-dp1.ckpt", directory / "not-merged")
     for rank_result in world_results["adapters-only-other-base"]:
         assert "saved without its frozen weights" in rank_result["error"], rank_result
         assert "build the same base model" in rank_result["error"]
