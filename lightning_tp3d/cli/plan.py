@@ -28,6 +28,7 @@ from lightning_tp3d.plan.ledger import (
     serving_plan,
     training_ledger,
 )
+from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from lightning_tp3d.plan.schedules import bubble_fraction
 from lightning_tp3d.plan.units import parse_size
 
@@ -62,6 +63,11 @@ def plan_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="uniform: every N-th layer; block: the first N layers of each stage")
     plan.add_argument("--recompute-num-layers", type=int, default=1, metavar="N")
     plan.add_argument("--dp-mode", choices=list(DATA_PARALLEL_MODES), default="replicate")
+    plan.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                      help="a LoRA fine-tune of rank R: only the factors train (default 0: every weight trains)")
+    plan.add_argument("--lora-targets", nargs="+", choices=LORA_TARGETS, default=list(DEFAULT_LORA_TARGETS),
+                      metavar="NAME", help=f"the blocks' layers LoRA adapts (default {' '.join(DEFAULT_LORA_TARGETS)};"
+                                           f" any of {' '.join(LORA_TARGETS)})")
     plan.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
                       help="1f1b needs num_microbatches >= pp; about 4 x pp keeps the bubble near 20%%")
     plan.add_argument("--gpus-per-node", type=int, default=None,
@@ -189,6 +195,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.serve:
         return _run_serve_plan(args, config)
     if args.gpus is not None:
+        if args.lora_rank:
+            raise ValueError("the layout advisor (--gpus) does not model LoRA fine-tunes yet; drop --gpus to see"
+                             " one layout's LoRA ledger (--tp/--pp/--dp --lora-rank R).")
         return _run_advisor(args, config)
     layout = ParallelLayout(
         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
@@ -197,7 +206,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     )
     options = TrainingOptions(seq_len=args.seq_len, precision=args.precision, recompute=args.recompute,
                               data_parallel_mode=args.dp_mode, schedule=args.schedule,
-                              recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+                              recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+                              lora_rank=args.lora_rank, lora_targets=tuple(args.lora_targets))
     if args.gpus_per_node is not None:
         layout.validate_cluster(args.gpus_per_node)
     training = training_ledger(config, layout, options)
@@ -219,6 +229,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     recompute = args.recompute if args.recompute == "none" else (
         f"{args.recompute} ({args.recompute_method}, N={args.recompute_num_layers})")
     print(f"training {args.precision}, recompute={recompute}, dp mode={args.dp_mode}, schedule={args.schedule}")
+    if args.lora_rank:
+        trainable = ", ".join(f"stage {stage.stage} {stage.trainable_parameters:,}" for stage in training.stages)
+        print(f"LoRA r={args.lora_rank} on {' '.join(args.lora_targets)}: trainable parameters per rank {trainable};"
+              " the rest frozen (weights only, no gradients or optimizer state)")
     print(f"{'stage':>5} {'layers':>9} {'params/rank':>14} {'weights':>9} {'grads':>9} {'optim':>9} "
           f"{'activ':>9} {'total GiB':>9}")
     for stage in training.stages:

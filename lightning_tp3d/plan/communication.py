@@ -63,6 +63,7 @@ from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.data_parallel import GradientReduction
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions
+from lightning_tp3d.plan.lora import lora_layer_shapes
 from lightning_tp3d.plan.optimizer_sharding import pack_buckets, part_sizes
 from lightning_tp3d.plan.recompute import recomputed_layers
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, LAYER_WEIGHTS, WeightSplit
@@ -185,17 +186,11 @@ def _reduce_scatter_on(backend: str) -> str:
     return "all_reduce" if backend == "gloo" else "reduce_scatter"
 
 
-def _zero_transfers(config: ModelConfig, tp: int, dp: int, first: bool, last: bool, num_layers: int,
-                    element_bytes: int, backend: str) -> list[Transfer]:
-    """`zero1`'s buckets for a stage: its parameters in registration order, each cut over dp."""
-    weights = list(LAYER_WEIGHTS) * num_layers
-    if first:
-        weights.insert(0, EMBEDDING)
-    if last:
-        weights.append(FINAL_NORM)
-        if not (config.tie_word_embeddings and first):
-            weights.append(HEAD)
-    parts = [part_sizes(_local_shape(weight, config, tp), weight.dim if tp > 1 else None, dp) for weight in weights]
+def _zero_transfers(trained: list[tuple[tuple[int, ...], int | None]], dp: int, element_bytes: int,
+                    backend: str) -> list[Transfer]:
+    """`zero1`'s buckets for a stage: the parameters it trains (local shape, tp's split dim) in registration
+    order, each cut over dp."""
+    parts = [part_sizes(shape, tp_dim, dp) for shape, tp_dim in trained]
     reduce = _reduce_scatter_on(backend)
     transfers = []
     for bucket in pack_buckets(parts, dp, element_bytes, BUCKET_BYTES):
@@ -216,6 +211,11 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
     low = 2 if sixteen_bit else 4  # autocast outputs
     stream = 2 if options.precision == "bf16-true" else 4  # residual stream, its gradients, fp32 master grads
     layer_shapes = [_local_shape(weight, config, tp) for weight in LAYER_WEIGHTS]
+    # what trains, (local shape, tp's split dim): every weight, or a LoRA fine-tune's factors alone
+    lora = lora_layer_shapes(config, tp, options.lora_rank, tuple(options.lora_targets))
+    trained_layer = lora or [(_local_shape(weight, config, tp), weight.dim if tp > 1 else None)
+                             for weight in LAYER_WEIGHTS]
+    trained_layer_shapes = [shape for shape, _ in trained_layer]
     stages: list[list[Transfer]] = []
     data_parallel = options.data_parallel(layout)
     reduction = data_parallel.reduction
@@ -239,39 +239,44 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
             transfers.append(Transfer("pp", "send", passes * sends, tokens * h, stream,
                                       "activations forward, their gradients back", hideable=True))
         if dp > 1:
-            root_shapes = []
-            if first:
-                root_shapes.append(_local_shape(EMBEDDING, config, tp))
-            if last:
-                root_shapes.append(_local_shape(FINAL_NORM, config, tp))
-                if not (config.tie_word_embeddings and first):
-                    root_shapes.append(_local_shape(HEAD, config, tp))
+            before = [EMBEDDING] if first else []  # registered before the blocks, and after them
+            after = ([FINAL_NORM] + ([] if config.tie_word_embeddings and first else [HEAD])) if last else []
+            root_shapes = [_local_shape(weight, config, tp) for weight in before + after]
+
+            def trained_roots(weights: list[WeightSplit]) -> list[tuple[tuple[int, ...], int | None]]:
+                return [] if lora else [(_local_shape(weight, config, tp), weight.dim if tp > 1 else None)
+                                        for weight in weights]
+
+            trained_root_shapes = [shape for shape, _ in trained_roots(before + after)]
             if reduction is GradientReduction.OVERLAPPED_ALL_REDUCE:
-                buckets = _buckets(_registration_order(root_shapes, layer_shapes, len(layers)), stream)
+                buckets = _buckets(_registration_order(trained_root_shapes, trained_layer_shapes, len(layers)),
+                                   stream)
                 for index, elements in enumerate(buckets):  # all but the last launched overlap with backward
                     transfers.append(Transfer("dp", "all_reduce", 1, elements, stream, "gradients, one bucket",
                                               hideable=index < len(buckets) - 1))
             elif reduction is GradientReduction.REDUCE_SCATTER:
-                transfers.extend(_zero_transfers(config, tp, dp, first, last, len(layers), stream, backend))
+                trained = trained_roots(before) + trained_layer * len(layers) + trained_roots(after)
+                transfers.extend(_zero_transfers(trained, dp, stream, backend))
             elif reduction is GradientReduction.ALL_REDUCE:
-                elements = len(layers) * sum(math.prod(shape) for shape in layer_shapes)
-                elements += sum(math.prod(shape) for shape in root_shapes)
+                elements = len(layers) * sum(math.prod(shape) for shape in trained_layer_shapes)
+                elements += sum(math.prod(shape) for shape in trained_root_shapes)
                 transfers.append(Transfer("dp", "all_reduce", 1, elements, stream, "gradients, after backward"))
             elif reduction is GradientReduction.FULLY_SHARDED:
                 reduce = _reduce_scatter_on(backend)
                 steps = layout.gradient_accumulation_steps  # FSDP2 reduces after every accumulated batch
                 gathers = steps * ((layout.num_microbatches + 1 if pp > 1 else 2) if data_parallel.reshard_after_forward
                                    else 1)
-                units: list[tuple[list[tuple[int, ...]], int, str]] = [
-                    (layer_shapes, gathers, f"block {index}") for index in layers]
+                block = layer_shapes + [shape for shape, _ in lora]
+                units: list[tuple[list[tuple[int, ...]], list[tuple[int, ...]], str]] = [
+                    (block, trained_layer_shapes, f"block {index}") for index in layers]
                 if root_shapes:
-                    units.append((root_shapes, gathers, "stage root (embedding / norm / head)"))
-                for shapes, gathered, name in units:
-                    shard = _fsdp_shard(shapes, dp)
-                    transfers.append(Transfer("dp", "all_gather", gathered, shard, stream, f"parameters of {name}",
-                                              hideable=True))
-                    transfers.append(Transfer("dp", reduce, steps, shard * dp, stream, f"gradients of {name}",
-                                              hideable=True))
+                    units.append((root_shapes, trained_root_shapes, "stage root (embedding / norm / head)"))
+                for shapes, trained_shapes, name in units:
+                    transfers.append(Transfer("dp", "all_gather", gathers, _fsdp_shard(shapes, dp), stream,
+                                              f"parameters of {name}", hideable=True))
+                    if trained_shapes:  # FSDP2 reduce-scatters the gradients that exist
+                        transfers.append(Transfer("dp", reduce, steps, _fsdp_shard(trained_shapes, dp) * dp, stream,
+                                                  f"gradients of {name}", hideable=True))
         stages.append(transfers)
     return CommunicationLedger({"tp": tp, "pp": pp, "dp": dp}, stages)
 

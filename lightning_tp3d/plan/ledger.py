@@ -28,6 +28,9 @@ dim (a d = h), V vocab, L layers, t tp, s sequence length, b micro-batch.
   pipelining) one block at a time plus the next one prefetched, 2 x one layer's parameters; without it
   (the default under pipelining: gathered once per step, not once per micro-batch) the stage's whole
   parameters stay gathered through the step (`gathered_weight_bytes`).
+* LoRA (`lora_rank` > 0, `plan.lora`): each block adds its factors' parameters, the only ones with
+  gradients and optimizer state (the rest keep their weight bytes), and r values per token and target to
+  its activations (A x, kept for B's backward).
 * In-flight micro-batches: with 1F1B stage i holds min(m, pp - i) micro-batches' activations, with
   GPipe all m; without pipelining one.
 * Serving KV cache: 2 x L x k x d x bytes per token, split over the deploy tp size (kv heads are
@@ -46,6 +49,7 @@ from typing import Any, Literal
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.data_parallel import DataParallelPlan, check_data_parallel_mode, choose_data_parallel
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
+from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, check_lora_options, lora_layer_shapes
 from lightning_tp3d.plan.recompute import check_recompute_options, recomputed_layers
 from lightning_tp3d.plan.schedules import stages_per_rank_of
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, layer_parameters_per_rank, parameters_per_rank
@@ -87,12 +91,15 @@ class TrainingOptions:
     recompute_num_layers: int = 1
     fsdp_reshard_after_forward: bool | None = None  # None: yes without pipelining, no under it
     overlap_gradient_reduction: bool = True  # replicate mode without pipelining: buckets during backward
+    lora_rank: int = 0  # > 0: a LoRA fine-tune of the blocks' `lora_targets` (`plan.lora`), the rest frozen
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not one of {sorted(PRECISIONS)}.")
         check_recompute_options(self.recompute, self.recompute_method, self.recompute_num_layers)
         check_data_parallel_mode(self.data_parallel_mode)
+        check_lora_options(self.lora_rank, tuple(self.lora_targets))
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule={self.schedule!r} is not one of ['1f1b', 'gpipe'].")
         if self.seq_len < 1:
@@ -117,6 +124,7 @@ class StageLedger:
     activation_bytes: int
     in_flight_microbatches: int
     gathered_weight_bytes: int = 0
+    trainable_parameters: int | None = None  # None: all of `parameters`; a LoRA fine-tune's factors
 
     @property
     def total_bytes(self) -> int:
@@ -175,7 +183,9 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
     data_parallel = options.data_parallel(layout)
     shard = data_parallel.parameter_shards
     s, b, m = options.seq_len, layout.micro_batch_size, layout.num_microbatches
-    full_layer = _layer_activation_elements(config, tp, s, b)
+    lora_shapes = lora_layer_shapes(config, tp, options.lora_rank, tuple(options.lora_targets))
+    lora_layer = sum(rows * columns for (rows, columns), _ in lora_shapes)  # trainable parameters of a block
+    full_layer = _layer_activation_elements(config, tp, s, b) + s * b * options.lora_rank * len(lora_shapes) // 2
     kept_when_recomputed = {
         "none": full_layer,
         "full": s * b * config.hidden_size,
@@ -184,7 +194,7 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
     stages = []
     for stage, layers in enumerate(layout.stage_layer_ranges(config.num_hidden_layers)):
         first, last = stage == 0, stage == pp - 1
-        parameters = len(layers) * layer_parameters_per_rank(config, tp)
+        parameters = len(layers) * (layer_parameters_per_rank(config, tp) + lora_layer)
         if first:
             parameters += parameters_per_rank(EMBEDDING, config, tp)
         if last:
@@ -199,17 +209,19 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
         recompute_bytes = (full_layer - kept_when_recomputed) * activation if recomputed else 0
         activation_bytes = elements * activation + max(logits_bytes, recompute_bytes)
         in_flight = 1 if pp == 1 else (m if options.schedule == "gpipe" else min(m, pp - stage))
-        local = -(-parameters // shard)
-        optimizer_local = -(-parameters // data_parallel.optimizer_shards)
+        trainable = len(layers) * lora_layer if options.lora_rank else parameters
+        local, trainable_local = -(-parameters // shard), -(-trainable // shard)
+        optimizer_local = -(-trainable // data_parallel.optimizer_shards)
         gathered = 0
         if shard > 1:
-            gathered = (2 * layer_parameters_per_rank(config, tp) if data_parallel.reshard_after_forward
+            gathered = (2 * (layer_parameters_per_rank(config, tp) + lora_layer) if data_parallel.reshard_after_forward
                         else parameters) * weight
         stages.append(StageLedger(
             stage=stage, first_layer=layers.start, num_layers=len(layers), parameters=parameters,
-            weight_bytes=local * weight, gradient_bytes=local * gradient, optimizer_bytes=optimizer_local * optimizer,
-            activation_bytes=activation_bytes * in_flight, in_flight_microbatches=in_flight,
-            gathered_weight_bytes=gathered,
+            weight_bytes=local * weight, gradient_bytes=trainable_local * gradient,
+            optimizer_bytes=optimizer_local * optimizer, activation_bytes=activation_bytes * in_flight,
+            in_flight_microbatches=in_flight, gathered_weight_bytes=gathered,
+            trainable_parameters=trainable if options.lora_rank else None,
         ))
     return TrainingLedger(config.num_parameters(), layout.to_dict(), asdict(options), stages)
 

@@ -86,3 +86,19 @@ def test_plan_applies_the_operating_rules(capsys):
     assert main(["plan", "deepseek-llm-7b", "--serve"]) == 0
     out = capsys.readouterr().out
     assert "--max-model-len 4096" in out and "retry with --gpu-memory-utilization 0.85" in out
+
+
+def test_plan_counts_a_lora_fine_tune_and_the_advisor_refuses_one(capsys):
+    """`--lora-rank`: gradients and optimizer state for the factors alone, r (in + out / t) per column-parallel
+    and r (in / t + out) per row-parallel target and rank; the weights keep the base's bytes."""
+    assert main(["plan", "deepseek-llm-7b", "--tp", "2", "--pp", "2", "--lora-rank", "16", "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)["training"]["stages"][0]
+    assert main(["plan", "deepseek-llm-7b", "--tp", "2", "--pp", "2", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)["training"]["stages"][0]
+    h, layers, r = 4096, 15, 16  # 30 layers over 2 stages; q, k, v column parallel (h x h), o row parallel
+    per_layer = 3 * r * (h + h // 2) + r * (h // 2 + h)
+    assert lora["trainable_parameters"] == layers * per_layer
+    assert lora["parameters"] == full["parameters"] + layers * per_layer and lora["weight_bytes"] > full["weight_bytes"]
+    assert lora["gradient_bytes"] == 4 * layers * per_layer and lora["optimizer_bytes"] == 8 * layers * per_layer
+    assert main(["plan", "tiny", "--gpus", "8", "--lora-rank", "8"]) == 2
+    assert "does not model LoRA fine-tunes yet" in capsys.readouterr().err

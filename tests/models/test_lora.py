@@ -32,6 +32,10 @@ from lightning_tp3d.io.checkpoint_format import CheckpointError, ModelTensorRead
 from lightning_tp3d.io.dcp_files import read_dcp_index
 from lightning_tp3d.io.export import export_checkpoint
 from lightning_tp3d.parallel.tensor import local_part
+from lightning_tp3d.plan.communication import communication_ledger
+from lightning_tp3d.plan.config import ModelConfig
+from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.plan.ledger import TrainingOptions
 from tests.distributed import run_distributed
 from tests.helpers import (
     LEARNING_RATE,
@@ -190,9 +194,14 @@ def test_frozen_base_weights_stay_bit_identical_without_gradient_or_optimizer_st
 
 def test_the_dp_group_carries_the_lora_gradients_only(world_results):
     """Replicate mode all-reduces each gradient once a step: the dp payload is exactly this rank's trainable
-    bytes (4 x the local LoRA elements), none of the frozen base's."""
+    bytes (4 x the local LoRA elements), none of the frozen base's, and what the communication ledger
+    predicts for the rank's stage."""
+    layout = ParallelLayout(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2)
+    options = TrainingOptions(seq_len=SEQ_LEN, precision="32-true", lora_rank=4, lora_targets=tuple(TARGETS))
+    ledger = communication_ledger(ModelConfig(**SHAPE), layout, options, backend="gloo")
     for rank, rank_result in enumerate(world_results["lora-tp2-pp2-dp2-1f1b-replicate"]):
-        assert rank_result["dp_bytes"] == rank_result["trainable_bytes"] > 0, (rank, rank_result["dp_bytes"])
+        predicted = ledger.totals(layout.coordinates(rank).pp)["dp"]["payload_bytes"]
+        assert rank_result["dp_bytes"] == rank_result["trainable_bytes"] == predicted > 0, (rank, predicted)
 
 
 def test_the_merged_export_loads_in_transformers_with_the_live_models_logits(world_results, directory):

@@ -15,7 +15,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_tp3d.models.huggingface import HuggingFaceStages
 from lightning_tp3d.models.llama import LlamaForCausalLM
-from lightning_tp3d.plan.config import MODEL_PRESETS
+from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig
+from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.plan.ledger import TrainingOptions, training_ledger
 from lightning_tp3d.strategies.core import ParallelCore
 
 
@@ -70,3 +72,24 @@ def test_the_adapter_hands_each_family_its_own_stages_and_an_option_overrides_on
     with pytest.raises(ValueError, match=r"tp_plan entry 'layers\.\*\.fc' matches no module of LlamaForCausalLM"
                                          r" \(model adapter: decoder with Llama names\)"):
         _parallel(LlamaForCausalLM(MODEL_PRESETS["tiny"]), tp_plan={"layers.*.fc": ColwiseParallel()})
+
+
+def test_the_ledger_counts_what_a_parallel_lora_model_holds(fake_world: None) -> None:
+    """At (2, 2, 2) rank 0 holds stage 0's tp shard: its trainable (LoRA) and total elements are the memory
+    ledger's `trainable_parameters` and `parameters` for stage 0, and only the factors have gradient and
+    optimizer bytes."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=False)
+    targets = ("q_proj", "v_proj", "o_proj", "down_proj")
+    network = peft.get_peft_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)),
+                                  peft.LoraConfig(r=4, target_modules=list(targets)))
+    _parallel(network, data_parallel_mode="replicate")  # replicate: whole tp shards, no dp padding
+    trainable = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+                    for p in network.parameters() if p.requires_grad)
+    total = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in network.parameters())
+    layout = ParallelLayout(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2)
+    ledger = training_ledger(ModelConfig(**shape), layout, TrainingOptions(lora_rank=4, lora_targets=targets))
+    assert (ledger.stages[0].trainable_parameters, ledger.stages[0].parameters) == (trainable, total)
+    assert ledger.stages[0].gradient_bytes == 4 * trainable and ledger.stages[0].optimizer_bytes == 8 * trainable
