@@ -165,6 +165,11 @@ def test_private_names_of_the_libraries_are_used_only_in_compat() -> None:
             elif isinstance(node, ast.Import):
                 found += [f"{relative}:{node.lineno} import {alias.name}" for alias in node.names
                           if alias.name.split(".")[0] in LIBRARIES and any(map(_is_private, alias.name.split(".")))]
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr")
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                  and isinstance(node.args[1].value, str) and _is_private(node.args[1].value)
+                  and node.args[1].value not in own):
+                found.append(f"{relative}:{node.lineno} {ast.unparse(node)}")
             elif (isinstance(node, ast.Attribute) and _is_private(node.attr)
                   and (node.attr not in own or _root_name(node) in library_names)):
                 if relative in SUBCLASSES_OF_PRIVATE_STATE or ast.unparse(node.value) == "argparse":

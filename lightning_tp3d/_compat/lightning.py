@@ -29,6 +29,7 @@ __all__ = [
     "attached_trainer",
     "compare_finetuning_parameters_with",
     "detects_anomaly",
+    "last_checkpoint_saved",
     "log_metrics",
     "materialize_distributed_module",
     "read_checkpoint_folders_with",
@@ -59,6 +60,11 @@ def should_accumulate(trainer: Any) -> bool:
 def attached_trainer(module: Any) -> Any | None:
     """The Trainer `module` is attached to, or None (`LightningModule.trainer` raises when there is none)."""
     return module._trainer
+
+
+def last_checkpoint_saved(callback: Any) -> str:
+    """The path `ModelCheckpoint` wrote last ("" before its first save, or without a checkpoint callback)."""
+    return getattr(callback, "_last_checkpoint_saved", "") if callback is not None else ""
 
 
 def set_device_mesh(module: Any, mesh: Any) -> None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_tp3d._compat.lightning import last_checkpoint_saved
 from lightning_tp3d.diagnostics.consistency import (
     DEFAULT_PROMPT_LENGTHS,
     FAIL_ABOVE,
@@ -97,6 +98,13 @@ class ExportCallback(Callback):
         self._exported_saves = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        options = getattr(getattr(trainer.strategy, "core", None), "options", None)
+        if options is not None and not options.save_frozen_weights:  # refused now, not after the run
+            raise ValueError(
+                "ExportCallback merges the model from a checkpoint of the live model, which needs its frozen"
+                " weights, but the strategy saves without them (save_frozen_weights=False): drop one of the two, or"
+                " export the adapter after fit with `tp3d export CKPT OUT --adapter`."
+            )
         _check_outputs(trainer, self.output, self.options["deploy_tp"], self.options["overwrite"])
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -105,7 +113,7 @@ class ExportCallback(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         # ModelCheckpoint runs after the other callbacks: a save of the previous step is complete now.
         due = self.every_n_checkpoints and self._saves // self.every_n_checkpoints > self._exported_saves
-        saved = getattr(trainer.checkpoint_callback, "_last_checkpoint_saved", "")
+        saved = last_checkpoint_saved(trainer.checkpoint_callback)
         if not due or not saved:
             return
         self._exported_saves = self._saves // self.every_n_checkpoints

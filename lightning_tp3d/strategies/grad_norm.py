@@ -24,12 +24,14 @@ from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_tp3d._compat.lightning import attached_trainer
+
 __all__ = ["grad_norm"]
 
 
 def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:
     """The p-norm of each parameter's gradient and of all of them together, as one process computes them."""
-    strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+    strategy = getattr(attached_trainer(module), "strategy", None)
     core = getattr(strategy, "core", None)
     if core is None:  # not under TP3DStrategy: Lightning's own
         return lightning_grad_norm(module, norm_type, group_separator)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import LEARNING_RATE, SEQ_LEN, reference_run
 
@@ -46,3 +47,32 @@ def test_yaml_run_at_2x2x2_matches_single_process(config, tmp_path):
     reference = reference_run(STEPS, global_batch_size=8)["losses"]
     assert len(losses) == STEPS
     assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-5
+
+
+def test_the_lora_recipe_fine_tunes_a_folder_and_exports_the_merged_model(tmp_path):
+    """`examples/finetune_lora.yaml` as a user runs it, on a tiny Hugging Face folder at tp 2 x pp 2 (4 CPU
+    processes): the LoRA factors train, and the merged export at the end is a plain `LlamaForCausalLM` whose
+    weights differ from the base's where LoRA adapted them and nowhere else."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from tests.models.test_huggingface import hf_network
+
+    base = hf_network("llama")
+    base.save_pretrained(tmp_path / "base")
+    overrides = ["--model.init_args.pretrained", str(tmp_path / "base"), "--trainer.accelerator", "cpu",
+                 "--trainer.precision", "32-true", "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
+                 "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false",
+                 "--trainer.logger", "false", "--tp3d.num_microbatches", "2", "--data.init_args.source", "tiny",
+                 "--data.init_args.seq_len", str(SEQ_LEN), "--data.init_args.batch_size", "4",
+                 "--data.init_args.val_fraction", "0.2", "--model.init_args.learning_rate", "0.01"]
+    process = subprocess.run([sys.executable, "-m", "lightning_tp3d.cli", "fit", "--config",
+                              str(EXAMPLES / "finetune_lora.yaml"), *overrides], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert process.returncode == 0, process.stderr[-4000:]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "lora-merged")
+    assert type(merged) is type(base)
+    changed = {name for name, value in merged.state_dict().items()
+               if not torch.equal(value.float(), base.state_dict()[name].to(torch.bfloat16).float())}
+    adapted = {name for name in base.state_dict() if any(f"{target}.weight" in name for target in
+                                                          ("q_proj", "k_proj", "v_proj", "o_proj"))}
+    assert changed == adapted  # bf16 export: compared with the base rounded the same way
