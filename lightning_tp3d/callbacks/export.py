@@ -41,6 +41,7 @@ from lightning_tp3d.io.deploy import DEPLOY_SHARDS, deploy_folder
 from lightning_tp3d.io.export import HF_EXPORT, ExportResult, export_checkpoint
 from lightning_tp3d.io.folders import check_output_folder
 from lightning_tp3d.io.hf import EXPORT_DTYPES
+from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
 
 __all__ = ["ConsistencyCheck", "ExportCallback"]
 
@@ -176,12 +177,15 @@ class ConsistencyCheck(Callback):
         network = trainer.strategy.network
         prompts = [prompt.to(pl_module.device) for prompt in fixed_prompts(network.config.vocab_size,
                                                                            self.prompt_lengths)]
+        # the blocks where the model's family keeps them (a PEFT model's are under its prefix)
+        layers = indexed_blocks(resolve_attribute(network, trainer.strategy.core.model_adapter_of(network)
+                                                  .layers_attribute, "layers_attribute"))
         was_training = network.training
         network.eval()
         with exact_fp32_matmuls():
             with rounded_to(network, EXPORT_DTYPES[self.dtype]):
-                live = _gather_to_rank_zero(run_with_layer_outputs(network, prompts), trainer)
-            unrounded = None if self.dtype == "fp32" else run_with_layer_outputs(network, prompts)[0]
+                live = _gather_to_rank_zero(run_with_layer_outputs(network, prompts, layers), trainer)
+            unrounded = None if self.dtype == "fp32" else run_with_layer_outputs(network, prompts, layers)[0]
         network.train(was_training)
         _export_live_model(trainer, self.output, dtype=self.dtype, overwrite=self.overwrite)
         if trainer.is_global_zero:

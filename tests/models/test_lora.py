@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_tp3d import TP3DStrategy
+from lightning_tp3d.callbacks import ConsistencyCheck
 from lightning_tp3d.callbacks.traffic import RecordTraffic
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.io.checkpoint_format import CheckpointError, ModelTensorReader
@@ -124,8 +125,11 @@ def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = F
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
                             data_parallel_mode=mode, save_frozen_weights=save_frozen_weights)
     callbacks = [capture, frozen, traffic]
+    consistency = ConsistencyCheck(directory / f"{name}-checked") if save and save_frozen_weights else None
     if save:
         callbacks.append(ModelCheckpoint(dirpath=directory, filename=name, every_n_train_steps=STEPS))
+    if consistency is not None:
+        callbacks.append(consistency)
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger, callbacks=callbacks,
                                          enable_checkpointing=save,
                                          max_steps=STEPS + RESUMED_STEPS if resume else STEPS))
@@ -140,6 +144,7 @@ def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = F
     recorded = traffic.recorder.per_group() if traffic.recorder is not None else {}  # a resumed run starts later
     return {"dp_bytes": recorded.get("dp", {}).get("payload_bytes", 0),
             "trainable_bytes": trainable_bytes, "losses": logger.values("train_loss"),
+            "consistency": consistency.report.to_dict() if consistency is not None and consistency.report else None,
             "final_params": capture.final_params,
             "first_grads": capture.first_grads, "changed": frozen.changed, "with_gradient": frozen.with_gradient,
             "frozen_states": frozen.optimizer_states, "states": frozen.trainable_states}
@@ -274,3 +279,11 @@ def test_an_adapter_only_checkpoint_holds_the_adapters_and_resumes_exactly_at_an
     for rank_result in world_results["adapters-only-other-base"]:
         assert "saved without its frozen weights" in rank_result["error"], rank_result
         assert "build the same base model" in rank_result["error"]
+
+
+def test_the_train_vs_deploy_check_compares_the_live_lora_model_with_its_merged_export(world_results):
+    """`ConsistencyCheck` at the end of the (2, 2, 2) run: the live PEFT model (every rank, both stages) against
+    its merged export in transformers, layer by layer, within the fp32 PASS band (measured 1e-6 or less)."""
+    report = world_results["lora-tp2-pp2-dp2-1f1b-replicate"][0]["consistency"]
+    assert report["passed"] and report["max_abs_diff"] <= 1e-5, report
+    assert len(report["layer_max_abs_diff"]) == SHAPE["num_hidden_layers"]  # every stage's layers compared
