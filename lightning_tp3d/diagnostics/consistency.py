@@ -27,9 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_tp3d.io.checkpoint_format import ModelTensorReader
+from lightning_tp3d.io.checkpoint_format import CheckpointError, ModelTensorReader
 from lightning_tp3d.io.hf import load_hf_weights
+from lightning_tp3d.io.lora import adapter_config
+from lightning_tp3d.models.families import resolve_model_adapter
 from lightning_tp3d.models.llama import LlamaForCausalLM
+from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
 from lightning_tp3d.plan.config import ModelConfig
 
 __all__ = [
@@ -137,10 +140,9 @@ def fixed_prompts(vocab_size: int, lengths: Sequence[int] = DEFAULT_PROMPT_LENGT
 
 
 def _decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
-    layers = model.model.layers  # the Hugging Face layout, also this package's reference decoder
-    if isinstance(layers, nn.ModuleDict):
-        return {int(key): layer for key, layer in layers.items()}
-    return dict(enumerate(layers))
+    """The blocks by index, where the model's family keeps them (`models.families`)."""
+    layers_attribute = resolve_model_adapter(model).layers_attribute
+    return indexed_blocks(resolve_attribute(model, layers_attribute, "layers_attribute"))
 
 
 @torch.no_grad()
@@ -200,9 +202,13 @@ def compare_models(reference: nn.Module, candidate: nn.Module, prompts: Sequence
 
 def model_from_checkpoint(checkpoint: str | Path, verify: bool = True) -> nn.Module:
     """The trained network with a checkpoint's whole weights (any layout), in this process: the
-    `transformers` model of its recorded Hugging Face config, or the reference decoder (the files read
-    checked against their recorded hashes unless `verify=False`)."""
+    `transformers` model of its recorded Hugging Face config, or the reference decoder, wrapped by PEFT
+    with the recorded LoRA adapter when it was a LoRA model (unmerged: the factors apart, as trained), the
+    files read checked against their recorded hashes unless `verify=False`."""
     reader = ModelTensorReader(checkpoint, verify)
+    if reader.meta.frozen_weights is not None:
+        raise CheckpointError(f"{checkpoint} holds only what trained (save_frozen_weights=False), not the whole"
+                              " model; check an export of a full checkpoint.")
     saved = reader.meta.model_config or {}
     if "model_type" in saved:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -211,6 +217,10 @@ def model_from_checkpoint(checkpoint: str | Path, verify: bool = True) -> nn.Mod
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(saved["model_type"], **fields))
     else:
         model = LlamaForCausalLM(ModelConfig.from_dict(saved))
+    if reader.meta.lora is not None:
+        import peft
+
+        model = peft.get_peft_model(model, peft.PeftConfig.from_peft_type(**adapter_config(reader.meta.lora)))
     prefix = reader.meta.network_prefix
     names = [prefix + name for name in model.state_dict()]
     state = {name.removeprefix(prefix): tensor for name, tensor in reader.load(names).items()}

@@ -13,6 +13,7 @@ carry no byte of theirs.
 from __future__ import annotations
 
 import collections
+import json
 import math
 import subprocess
 import sys
@@ -230,6 +231,13 @@ def test_the_merged_export_loads_in_transformers_with_the_live_models_logits(wor
         base = plain(input_ids=prompt).logits
     torch.testing.assert_close(exported, expected, rtol=0.0, atol=1e-5)
     assert (base - expected).abs().max() > 1e-3  # the adapters changed what the model computes
+    # `tp3d check`: the export against the checkpoint's PEFT model, its factors unmerged
+    check = subprocess.run([sys.executable, "-m", "lightning_tp3d.cli", "check", str(directory / "merged"),
+                            "--checkpoint", str(directory / f"{name}.ckpt"), "--json"],
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    report = json.loads(check.stdout[check.stdout.index("{"):])
+    assert report["passed"] and report["max_abs_diff"] <= 1e-5, report
 
 
 def test_the_adapter_export_loads_in_peft_with_the_live_models_logits(world_results, directory):
