@@ -163,7 +163,8 @@ def _communication_lines(ledger: CommunicationLedger, bandwidth: dict[str, float
 def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
     cluster = Cluster(args.gpus, parse_size(args.gpu_memory), args.gpus_per_node or _GPUS_PER_NODE,
                       args.gpu_tflops, args.mfu, group_gbps=_given_bandwidths(args))
-    candidates = advise(config, cluster, args.global_batch_size, args.seq_len, args.precision, args.micro_batch_size)
+    candidates = advise(config, cluster, args.global_batch_size, args.seq_len, args.precision, args.micro_batch_size,
+                        args.lora_rank, tuple(args.lora_targets))
     fitting = [candidate for candidate in candidates if candidate.fits]
     if args.json:
         print(json.dumps([asdict(candidate) | {"step_seconds": candidate.step_seconds} for candidate in candidates],
@@ -171,8 +172,8 @@ def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
         return 0 if fitting else 1
     print(f"{args.model} on {args.gpus} GPUs of {cluster.gpu_memory_bytes / _GIB:.0f} GiB"
           f" ({cluster.gpus_per_node} per node), global batch {args.global_batch_size} x {args.seq_len} tokens,"
-          f" {args.precision}, {args.gpu_tflops:g} TFLOPS at MFU {args.mfu}: {len(candidates)} layouts,"
-          f" {len(fitting)} fit in {cluster.usable_fraction:.0%} of the memory")
+          f" {args.precision}{_lora_words(args)}, {args.gpu_tflops:g} TFLOPS at MFU {args.mfu}:"
+          f" {len(candidates)} layouts, {len(fitting)} fit in {cluster.usable_fraction:.0%} of the memory")
     if not fitting:
         print("no layout fits: add GPUs, use fsdp or recompute, or a shorter sequence")
         return 1
@@ -190,14 +191,15 @@ def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
     return 0
 
 
+def _lora_words(args: argparse.Namespace) -> str:
+    return f", LoRA r {args.lora_rank} on {' '.join(args.lora_targets)}" if args.lora_rank else ""
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     config = resolve_model_config(args.model)
     if args.serve:
         return _run_serve_plan(args, config)
     if args.gpus is not None:
-        if args.lora_rank:
-            raise ValueError("the layout advisor (--gpus) does not model LoRA fine-tunes yet; drop --gpus to see"
-                             " one layout's LoRA ledger (--tp/--pp/--dp --lora-rank R).")
         return _run_advisor(args, config)
     layout = ParallelLayout(
         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,

@@ -30,6 +30,7 @@ from lightning_tp3d.plan.communication import GROUPS, communication_ledger, grou
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions, training_flops_per_token, training_ledger
+from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS
 
 __all__ = ["Cluster", "LayoutCandidate", "advise", "evaluate_layout"]
 
@@ -63,6 +64,8 @@ class LayoutCandidate:
     compute_seconds: float
     bubble_seconds: float
     exposed_seconds: dict[str, float]
+    lora_rank: int = 0  # a LoRA fine-tune of `lora_targets` (`plan.lora`); 0: every weight trains
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
 
     @property
     def step_seconds(self) -> float:
@@ -83,7 +86,8 @@ class LayoutCandidate:
         """The ledger options this candidate was evaluated with."""
         return TrainingOptions(seq_len=seq_len, precision=precision, recompute=self.recompute,
                                data_parallel_mode=self.data_parallel_mode,
-                               fsdp_reshard_after_forward=self.fsdp_reshard_after_forward)
+                               fsdp_reshard_after_forward=self.fsdp_reshard_after_forward,
+                               lora_rank=self.lora_rank, lora_targets=self.lora_targets)
 
     def parts(self) -> dict[str, float]:
         """The step's seconds by cause: compute (with recompute), bubble, each group's exposed communication."""
@@ -110,7 +114,8 @@ def evaluate_layout(config: ModelConfig, cluster: Cluster, layout: ParallelLayou
                     global_batch_size: int) -> LayoutCandidate:
     """One layout's memory and predicted step time on `cluster` (see the module docstring)."""
     peak = training_ledger(config, layout, options).peak_stage.total_bytes
-    flops = training_flops_per_token(config, options.seq_len, options.recompute) * global_batch_size * options.seq_len
+    flops = (training_flops_per_token(config, options.seq_len, options.recompute, options.lora_rank,
+                                      tuple(options.lora_targets)) * global_batch_size * options.seq_len)
     compute = flops / (cluster.gpus * cluster.peak_tflops * 1e12 * cluster.mfu)
     pp, m = layout.pipeline_parallel_size, layout.num_microbatches
     bubble = compute * (pp - 1) / m
@@ -124,12 +129,15 @@ def evaluate_layout(config: ModelConfig, cluster: Cluster, layout: ParallelLayou
     return LayoutCandidate(layout.tensor_parallel_size, pp, layout.data_parallel_size, options.data_parallel_mode,
                            options.fsdp_reshard_after_forward,
                            options.recompute, m, layout.gradient_accumulation_steps, peak,
-                           peak <= cluster.usable_fraction * cluster.gpu_memory_bytes, compute, bubble, exposed)
+                           peak <= cluster.usable_fraction * cluster.gpu_memory_bytes, compute, bubble, exposed,
+                           options.lora_rank, tuple(options.lora_targets))
 
 
 def advise(config: ModelConfig, cluster: Cluster, global_batch_size: int, seq_len: int,
-           precision: str = "bf16-mixed", micro_batch_size: int = 1) -> list[LayoutCandidate]:
-    """Every valid layout of `cluster` for `config`, fitting ones first, each group by predicted step time."""
+           precision: str = "bf16-mixed", micro_batch_size: int = 1, lora_rank: int = 0,
+           lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> list[LayoutCandidate]:
+    """Every valid layout of `cluster` for `config`, fitting ones first, each group by predicted step time;
+    `lora_rank` > 0: for a LoRA fine-tune of `lora_targets` (`plan.lora`)."""
     candidates = []
     for tp in _divisors(cluster.gpus_per_node):
         if cluster.gpus % tp:
@@ -152,6 +160,7 @@ def advise(config: ModelConfig, cluster: Cluster, global_batch_size: int, seq_le
                 modes += [("fsdp", None), ("zero1", None)] + ([("fsdp", True)] if pp > 1 else [])
             for (mode, reshard), recompute in itertools.product(modes, ("none", "selective", "full")):
                 options = TrainingOptions(seq_len=seq_len, precision=precision, recompute=recompute,
-                                          data_parallel_mode=mode, fsdp_reshard_after_forward=reshard)
+                                          data_parallel_mode=mode, fsdp_reshard_after_forward=reshard,
+                                          lora_rank=lora_rank, lora_targets=tuple(lora_targets))
                 candidates.append(evaluate_layout(config, cluster, layout, options, global_batch_size))
     return sorted(candidates, key=lambda candidate: (not candidate.fits, candidate.step_seconds))

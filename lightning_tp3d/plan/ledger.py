@@ -159,18 +159,24 @@ def _layer_activation_elements(config: ModelConfig, tp: int, seq_len: int, micro
     return seq_len * micro_batch * (4 * h + (heads + 5 * h + 4 * f) // tp)
 
 
-def training_flops_per_token(config: ModelConfig, seq_len: int, recompute: str = "none") -> int:
+def training_flops_per_token(config: ModelConfig, seq_len: int, recompute: str = "none", lora_rank: int = 0,
+                             lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> int:
     """Training FLOPs (forward + backward) per token, as Megatron and PaLM count them:
     6 x the matmul parameters (every layer's q, k, v, o, gate, up, down and the head; the embedding is a
     lookup) + 12 x layers x hidden x sequence length for the attention scores and their weighted sum.
     Recompute adds the forward it repeats: 2 x the layers' matmul parameters + 4 L h s for `full`, the
-    attention core's 4 L h s for `selective`."""
+    attention core's 4 L h s for `selective`. A LoRA fine-tune (`lora_rank` > 0) computes no weight
+    gradient for the frozen matmuls (4 x their parameters: forward and input gradient) and 6 x the factors'."""
     h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
     layers = config.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size)
+    factors = config.num_hidden_layers * sum(rows * columns for (rows, columns), _ in
+                                             lora_layer_shapes(config, 1, lora_rank, tuple(lora_targets)))
     attention_core_forward = 4 * config.num_hidden_layers * h * seq_len
     repeated = {"none": 0, "selective": attention_core_forward,
-                "full": 2 * layers + attention_core_forward}[recompute]
-    return 6 * (layers + config.vocab_size * h) + 3 * attention_core_forward + repeated
+                "full": 2 * (layers + factors) + attention_core_forward}[recompute]
+    per_frozen_parameter = 4 if lora_rank else 6
+    return (per_frozen_parameter * (layers + config.vocab_size * h) + 6 * factors + 3 * attention_core_forward
+            + repeated)
 
 
 def training_ledger(config: ModelConfig, layout: ParallelLayout, options: TrainingOptions) -> TrainingLedger:

@@ -88,7 +88,7 @@ def test_plan_applies_the_operating_rules(capsys):
     assert "--max-model-len 4096" in out and "retry with --gpu-memory-utilization 0.85" in out
 
 
-def test_plan_counts_a_lora_fine_tune_and_the_advisor_refuses_one(capsys):
+def test_plan_counts_a_lora_fine_tune_and_the_advisor_ranks_its_layouts(capsys):
     """`--lora-rank`: gradients and optimizer state for the factors alone, r (in + out / t) per column-parallel
     and r (in / t + out) per row-parallel target and rank; the weights keep the base's bytes."""
     assert main(["plan", "deepseek-llm-7b", "--tp", "2", "--pp", "2", "--lora-rank", "16", "--json"]) == 0
@@ -100,5 +100,7 @@ def test_plan_counts_a_lora_fine_tune_and_the_advisor_refuses_one(capsys):
     assert lora["trainable_parameters"] == layers * per_layer
     assert lora["parameters"] == full["parameters"] + layers * per_layer and lora["weight_bytes"] > full["weight_bytes"]
     assert lora["gradient_bytes"] == 4 * layers * per_layer and lora["optimizer_bytes"] == 8 * layers * per_layer
-    assert main(["plan", "tiny", "--gpus", "8", "--lora-rank", "8"]) == 2
-    assert "does not model LoRA fine-tunes yet" in capsys.readouterr().err
+    assert main(["plan", "deepseek-llm-7b", "--gpus", "16", "--global-batch-size", "64", "--seq-len", "2048",
+                 "--lora-rank", "16", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    assert best["lora_rank"] == 16 and best["fits"]
