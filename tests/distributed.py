@@ -15,9 +15,10 @@ import os
 import queue
 import socket
 import traceback
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["run_distributed"]
+__all__ = ["results_by_name", "run_distributed"]
 
 
 def _free_port() -> int:
@@ -80,3 +81,15 @@ def run_distributed(world_size: int, target: str, *args: Any, timeout: float = 6
     if errors:
         raise AssertionError(f"{target} failed on {world_size} ranks:\n" + "\n".join(errors))
     return [collected[rank] for rank in range(world_size)]
+
+
+def results_by_name(world_sizes: Iterable[int], target: str, *args: Any, with_world: bool = True
+                    ) -> dict[str, list[Any]]:
+    """Run `target` once per world size (as `target(world_size, *args)`, or `target(*args)` without
+    `with_world`); each rank returns {name: result}. Returns name -> the ranks' results, in rank order."""
+    results: dict[str, list[Any]] = {}
+    for world_size in world_sizes:
+        per_rank = run_distributed(world_size, target, *((world_size, *args) if with_world else args))
+        for name in per_rank[0]:
+            results[name] = [rank_result[name] for rank_result in per_rank]
+    return results

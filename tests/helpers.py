@@ -235,3 +235,18 @@ def reference_validation_loss(model: nn.Module, data: TokenDataModule, batch_siz
         rank_means.append(sum(batch_losses) / len(batch_losses))
     model.train()
     return sum(rank_means) / dp
+
+
+def assert_ranks_match(name: str, rank_results: list[dict[str, Any]], reference: dict[str, Any], rtol: float,
+                       atol: float) -> set[str]:
+    """Every rank's losses (rtol) and first gradients (per tensor, rtol and atol) equal the reference run's;
+    returns the names of the gradients the ranks held together (their stages' parameters)."""
+    covered: set[str] = set()
+    for rank, rank_result in enumerate(rank_results):
+        torch.testing.assert_close(torch.tensor(rank_result["losses"]), torch.tensor(reference["losses"]),
+                                   rtol=rtol, atol=0.0, msg=lambda message, rank=rank: f"{name} rank {rank}: {message}")
+        for key, gradient in rank_result["first_grads"].items():
+            torch.testing.assert_close(gradient, reference["first_grads"][key], rtol=rtol, atol=atol,
+                                       msg=lambda message, rank=rank, key=key: f"{name} rank {rank} {key}: {message}")
+        covered.update(rank_result["first_grads"])
+    return covered

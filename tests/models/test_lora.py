@@ -38,12 +38,13 @@ from lightning_tp3d.plan.communication import communication_ledger
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions
-from tests.distributed import run_distributed
+from tests.distributed import results_by_name
 from tests.helpers import (
     LEARNING_RATE,
     SEQ_LEN,
     CaptureGradients,
     MemoryLogger,
+    assert_ranks_match,
     reference_run,
     trainer_kwargs,
     world_size,
@@ -163,12 +164,7 @@ def directory(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def world_results(directory) -> dict[str, list[dict[str, Any]]]:
-    results: dict[str, list[dict[str, Any]]] = {}
-    for world in RUNS:
-        per_rank = run_distributed(world, "tests.models.test_lora:run_world", world, str(directory))
-        for name in per_rank[0]:
-            results[name] = [rank_result[name] for rank_result in per_rank]
-    return results
+    return results_by_name(RUNS, "tests.models.test_lora:run_world", str(directory))
 
 
 @pytest.fixture(scope="module")
@@ -178,14 +174,7 @@ def reference() -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", list(CONFIGURATIONS))
 def test_lora_model_matches_single_process_at_every_layout(world_results, reference, name):
-    covered: set[str] = set()
-    for rank, rank_result in enumerate(world_results[name]):
-        torch.testing.assert_close(torch.tensor(rank_result["losses"]), torch.tensor(reference["losses"]),
-                                   rtol=RTOL, atol=0.0, msg=lambda message, rank=rank: f"{name} rank {rank}: {message}")
-        for key, gradient in rank_result["first_grads"].items():
-            torch.testing.assert_close(gradient, reference["first_grads"][key], rtol=RTOL, atol=ATOL,
-                                       msg=lambda message, rank=rank, key=key: f"{name} rank {rank} {key}: {message}")
-        covered.update(rank_result["first_grads"])
+    covered = assert_ranks_match(name, world_results[name], reference, RTOL, ATOL)
     lora_gradients = {key for key in reference["first_grads"] if ".lora_" in key}
     assert covered == lora_gradients == reference["first_grads"].keys(), f"{name}: only LoRA factors have gradients"
     assert reference["losses"][-1] < reference["losses"][0], "the reference itself must learn"

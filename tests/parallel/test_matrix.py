@@ -23,7 +23,7 @@ from lightning_tp3d import ModelConfig, TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES
-from tests.distributed import run_distributed
+from tests.distributed import results_by_name
 from tests.helpers import (
     LEARNING_RATE,
     SEQ_LEN,
@@ -134,12 +134,7 @@ def run_world(world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world_results() -> dict[str, list[dict[str, Any]]]:
-    results: dict[str, list[dict[str, Any]]] = {}
-    for world in GRID:
-        per_rank = run_distributed(world, "tests.parallel.test_matrix:run_world", world)
-        for name in per_rank[0]:
-            results[name] = [rank_result[name] for rank_result in per_rank]
-    return results
+    return results_by_name(GRID, "tests.parallel.test_matrix:run_world")
 
 
 _REFERENCES: dict[str, dict[str, Any]] = {}

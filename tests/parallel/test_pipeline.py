@@ -14,7 +14,7 @@ import torch
 from lightning_tp3d import LayoutError, ModelConfig, TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
-from tests.distributed import run_distributed
+from tests.distributed import results_by_name
 from tests.helpers import (
     LEARNING_RATE,
     SEQ_LEN,
@@ -77,12 +77,7 @@ def run_world() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world_results() -> dict[str, list[Any]]:
-    results: dict[str, list[Any]] = {}
-    for size in SCENARIOS:
-        per_rank = run_distributed(size, "tests.parallel.test_pipeline:run_world")
-        for name in per_rank[0]:
-            results[name] = [rank_result[name] for rank_result in per_rank]
-    return results
+    return results_by_name(SCENARIOS, "tests.parallel.test_pipeline:run_world", with_world=False)
 
 
 @pytest.fixture(scope="module")
