@@ -108,6 +108,8 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {
     8: {"lora-tp2-pp2-dp2-1f1b-replicate": dict(tp=2, pp=2, mode="replicate", save=True)},
     4: {"lora-tp1-pp2-dp2-1f1b-fsdp": dict(tp=1, pp=2, mode="fsdp"),
         "lora-tp2-pp1-dp2-zero1": dict(tp=2, pp=1, mode="zero1"),
+        "lora-tp2-pp2-dp1-zbv-fsdp-full-recompute": dict(tp=2, pp=2, mode="fsdp", schedule="zbv_zero_bubble",
+                                                         recompute="full"),
         "adapters-only-tp2-pp2-dp1": dict(tp=2, pp=2, mode="replicate", save=True, save_frozen_weights=False)},
 }
 # The adapter-only checkpoint saved at (2, 2, 1) after STEPS steps, resumed at (1, 2, 2) for RESUMED_STEPS
@@ -121,11 +123,13 @@ CONFIGURATIONS = {name: configuration for runs in RUNS.values() for name, config
 
 
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = False, save_frozen_weights: bool = True,
-         resume: str | None = None, other_base: bool = False) -> dict[str, Any]:
+         resume: str | None = None, other_base: bool = False, schedule: str = "1f1b",
+         recompute: str = "none") -> dict[str, Any]:
     dp = world_size() // (tp * pp)
     logger, capture, frozen, traffic = MemoryLogger(), CaptureGradients(), FrozenWeights(), RecordTraffic()
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
-                            data_parallel_mode=mode, save_frozen_weights=save_frozen_weights)
+                            data_parallel_mode=mode, save_frozen_weights=save_frozen_weights,
+                            pipeline_schedule=schedule, recompute=recompute)
     callbacks = [capture, frozen, traffic]
     consistency = ConsistencyCheck(directory / f"{name}-checked") if save and save_frozen_weights else None
     if save:
