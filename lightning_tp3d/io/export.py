@@ -101,15 +101,13 @@ def export_checkpoint(
     def read(names: list[str]) -> dict[str, torch.Tensor]:
         return {name.removeprefix(prefix): tensor for name, tensor in reader.load([prefix + n for n in names]).items()}
 
-    def load(name: str) -> torch.Tensor:
-        return read([name])[name]
-
-    if meta.lora is not None:  # a PEFT LoRA model: its factors merged into the weights they adapt
-        merge = LoraMerge(meta.lora, shapes)
+    # a PEFT LoRA model: its factors merged into the weights they adapt
+    merge = LoraMerge(meta.lora, shapes) if meta.lora is not None else None
+    if merge is not None:
         shapes = merge.shapes
 
-        def load(name: str) -> torch.Tensor:
-            return merge.load(name, read)
+    def load(name: str) -> torch.Tensor:
+        return merge.load(name, read) if merge is not None else read([name])[name]
 
     missing = [name for name in required if name not in shapes]
     if missing:

@@ -33,9 +33,8 @@ from lightning_tp3d.io.random_state import restore_rng_state
 from lightning_tp3d.models.adapter import shaped_config
 from lightning_tp3d.plan.layout import ParallelLayout
 
-__all__ = ["FLAT_OPTIMIZER_STATE", "UNSTEPPED", "frozen_names", "frozen_weights_fingerprint", "load_states",
-           "model_config",
-           "optimizer_state", "restore_random_states", "sharded_state"]
+__all__ = ["FLAT_OPTIMIZER_STATE", "UNSTEPPED", "frozen_weights_fingerprint", "load_states", "model_config",
+           "optimizer_state", "restore_random_states", "sharded_state", "without_frozen"]
 
 # Flattened optimizer state is keyed by parameter name (`state.<name>.exp_avg`), not by position, so the
 # state of a stage's parameters is found again under any pipeline split.
@@ -67,9 +66,10 @@ def sharded_state(model_state: dict[str, Any], optimizer_states: Sequence[dict[s
     return {MODEL_GROUP: model_state, **optimizers}
 
 
-def frozen_names(module: nn.Module) -> set[str]:
-    """The names of `module`'s parameters that do not train."""
-    return {name for name, parameter in module.named_parameters() if not parameter.requires_grad}
+def without_frozen(model_state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """`model_state` without the entries of `module`'s parameters that do not train."""
+    frozen = {name for name, parameter in module.named_parameters() if not parameter.requires_grad}
+    return {name: value for name, value in model_state.items() if name not in frozen}
 
 
 def frozen_weights_fingerprint(module: nn.Module, pp_group: dist.ProcessGroup | None) -> dict[str, Any]:
@@ -101,7 +101,7 @@ def load_states(path: Path, module: nn.Module, owner: nn.Module, optimizers: Seq
     model_state = get_model_state_dict(module)
     recorded = read_meta(path).frozen_weights
     if recorded is not None:
-        model_state = {name: value for name, value in model_state.items() if name not in frozen_names(module)}
+        model_state = without_frozen(model_state, module)
         found = frozen_weights_fingerprint(module, pp_group)
         if found != recorded:
             raise CheckpointError(

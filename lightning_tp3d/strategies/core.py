@@ -36,12 +36,12 @@ from lightning_tp3d.parallel.pipeline import GradientHandOver, PipelineRunner
 from lightning_tp3d.plan.data_parallel import DataParallelPlan, choose_data_parallel
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.strategies.checkpointing import (
-    frozen_names,
     frozen_weights_fingerprint,
     load_states,
     optimizer_state,
     restore_random_states,
     sharded_state,
+    without_frozen,
 )
 from lightning_tp3d.strategies.options import ParallelOptions
 from lightning_tp3d.strategies.parallelize import parallelize_network
@@ -221,8 +221,7 @@ class ParallelCore:
         with `asynchronous`, finish the returned `PendingSave` later (a collective). With
         `save_frozen_weights=False`, `module`'s frozen weights are left out and fingerprinted."""
         if not self.options.save_frozen_weights and module is not None:
-            frozen = frozen_names(module)
-            model_state = {name: value for name, value in model_state.items() if name not in frozen}
+            model_state = without_frozen(model_state, module)
             meta = replace(meta, frozen_weights=frozen_weights_fingerprint(module, self.group("pp")))
         return save_checkpoint(path, sharded_state(model_state, optimizer_states), trainer_state, meta,
                                asynchronous=asynchronous, process_group=process_group)
