@@ -16,13 +16,16 @@ from torch.distributed.tensor import DTensor
 from lightning_tp3d.callbacks.monitor import local_storage_bytes
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
+from lightning_tp3d.parallel.nf4 import dequantized
 
 SEQ_LEN = 16
 LEARNING_RATE = 3e-3
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (a collective over its mesh when it is a DTensor), detached on the CPU."""
+    """The whole tensor (a collective over its mesh when it is a DTensor), detached on the CPU; an NF4 weight
+    (QLoRA) as the values it stands for."""
+    tensor = dequantized(tensor)
     tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
     return tensor.detach().cpu().clone()
 
@@ -216,7 +219,7 @@ def reference_run(
         scaler.update()
         scheduler.step()
     result = {"losses": losses, "last_batch_losses": last_batch_losses, "first_grads": first_grads,
-              "final_params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+              "final_params": {name: full_tensor(p) for name, p in model.named_parameters()}}
     if validate_batch_size is not None:
         result["val_loss"] = reference_validation_loss(model, data, batch_size=validate_batch_size)
     return result

@@ -42,6 +42,7 @@ from lightning_tp3d.io.export import HF_EXPORT, ExportResult, export_checkpoint
 from lightning_tp3d.io.folders import check_output_folder
 from lightning_tp3d.io.hf import EXPORT_DTYPES
 from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
+from lightning_tp3d.parallel.nf4 import quantized_parameters
 
 __all__ = ["ConsistencyCheck", "ExportCallback"]
 
@@ -86,13 +87,16 @@ class ExportCallback(Callback):
         every_n_checkpoints: also export every n-th saved checkpoint (None: only at the end).
         overwrite: replace `output` even if it holds files that are not an earlier export (checked when
             fit starts; by default such a folder is refused before training).
+        base: the Hugging Face folder of the frozen base, for a strategy that saves without it
+            (`save_frozen_weights=False`, a QLoRA base): as `tp3d export --base`.
     """
 
     def __init__(self, output: str | Path, dtype: str = "fp32", max_shard_size: str | int = "5GB",
-                 deploy_tp: int | None = None, every_n_checkpoints: int | None = None, overwrite: bool = False) -> None:
+                 deploy_tp: int | None = None, every_n_checkpoints: int | None = None, overwrite: bool = False,
+                 base: str | Path | None = None) -> None:
         self.output = Path(output)
         self.options = {"dtype": dtype, "max_shard_size": max_shard_size, "deploy_tp": deploy_tp,
-                        "overwrite": overwrite}
+                        "overwrite": overwrite, "base": base}
         self.every_n_checkpoints = every_n_checkpoints
         self.result: ExportResult | None = None
         self._saves = 0
@@ -100,11 +104,13 @@ class ExportCallback(Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         options = getattr(getattr(trainer.strategy, "core", None), "options", None)
-        if options is not None and not options.save_frozen_weights:  # refused now, not after the run
+        without_base = options is not None and (not options.save_frozen_weights or quantized_parameters(pl_module))
+        if without_base and self.options["base"] is None:  # refused now, not after the run
             raise ValueError(
                 "ExportCallback merges the model from a checkpoint of the live model, which needs its frozen"
-                " weights, but the strategy saves without them (save_frozen_weights=False): drop one of the two, or"
-                " export the adapter after fit with `tp3d export CKPT OUT --adapter`."
+                " weights, but the strategy saves without them (save_frozen_weights=False, or a 4-bit QLoRA base):"
+                " pass ExportCallback(base=FOLDER), the Hugging Face folder the base was loaded from, or export the"
+                " adapter after fit with `tp3d export CKPT OUT --adapter`."
             )
         _check_outputs(trainer, self.output, self.options["deploy_tp"], self.options["overwrite"])
 

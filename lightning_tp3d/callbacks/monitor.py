@@ -40,16 +40,26 @@ DEFAULT_MFU_TARGET = 0.40  # on GPUs; CPUs have no such bar
 
 def local_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind `tensors` on this rank: a DTensor counts its local shard,
-    padding and all (FSDP2), and tensors sharing a storage count it once. Compare with the ledger's
+    padding and all (FSDP2), a tensor subclass its inner tensors (NF4: 4-bit data, scales, factors), and
+    tensors sharing a storage count it once. Compare with the ledger's
     weight, gradient and optimizer bytes for this rank's stage."""
     storages = {}
     for tensor in tensors:
         if tensor is None:
             continue
-        local = local_part(tensor.detach())
-        storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        for part in _plain_parts(local_part(tensor.detach())):
+            storage = part.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+def _plain_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding `tensor`'s data: a wrapper subclass (an NF4 weight of a QLoRA base) has no
+    storage of its own, only its inner tensors (`__tensor_flatten__`)."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [part for name in names for part in _plain_parts(getattr(tensor, name))]
 
 
 def _tokens(batch: Any) -> int:

@@ -49,6 +49,9 @@ def _export_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="replace OUTPUT even if it holds files that are not an earlier export")
     export.add_argument("--no-verify", action="store_true",
                         help="read the checkpoint without checking its files against their recorded hashes")
+    export.add_argument("--base", default=None, metavar="FOLDER",
+                        help="the Hugging Face folder of the frozen base, for a checkpoint saved without it"
+                             " (save_frozen_weights=False, a QLoRA base); checked against its fingerprint")
     export.add_argument("--adapter", action="store_true",
                         help="write the LoRA adapter alone, as a PEFT adapter folder (a PEFT LoRA checkpoint);"
                              " without it a LoRA model is exported merged")
@@ -67,7 +70,8 @@ def _run_export(args: argparse.Namespace) -> int:
               " (PeftModel.from_pretrained(base_model, folder))")
         return 0
     result = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                               deploy_tp=args.deploy_tp, overwrite=args.overwrite, verify=not args.no_verify)
+                               deploy_tp=args.deploy_tp, overwrite=args.overwrite, verify=not args.no_verify,
+                               base=args.base)
     print(f"wrote {result.folder}: {len(result.files)} file(s), {result.total_bytes:,} bytes of {args.dtype} tensors")
     if result.deploy_folder is not None:
         print(f"wrote {result.deploy_folder}: {args.deploy_tp} rank folders (vllm: --tensor-parallel-size"

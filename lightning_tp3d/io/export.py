@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_tp3d.io.checkpoint_format import CheckpointError, ModelTensorReader
+from lightning_tp3d.io.checkpoint_format import CheckpointError, CheckpointMeta, ModelTensorReader
 from lightning_tp3d.io.deploy import DEPLOY_SHARDS, check_deploy_tp, deploy_folder, write_deploy_shards
 from lightning_tp3d.io.folders import check_output_folder, replace_folder, staging_folder
+from lightning_tp3d.io.frozen_base import open_frozen_base
 from lightning_tp3d.io.hf import (
     EXPORT_DTYPES,
     hf_config_for,
@@ -65,12 +67,15 @@ def export_checkpoint(
     deploy_tp: int | None = None,
     overwrite: bool = False,
     verify: bool = True,
+    base: str | Path | None = None,
 ) -> ExportResult:
     """Merge a checkpoint of any (tp, pp, dp) into a Hugging Face folder, in this process alone.
 
     `output` may be new, empty or an earlier export (replaced whole once the new one is complete);
     a folder holding anything else is refused unless `overwrite=True`, which replaces it. The files read
-    are checked against their recorded hashes first (`verify=False` skips that)."""
+    are checked against their recorded hashes first (`verify=False` skips that). A checkpoint saved
+    without its frozen weights (`save_frozen_weights=False`, a QLoRA base) takes them from `base`, the
+    Hugging Face folder they were loaded from, checked against its recorded fingerprint (`io.frozen_base`)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(EXPORT_DTYPES)}.")
     checkpoint, output = Path(checkpoint), Path(output)
@@ -79,11 +84,11 @@ def export_checkpoint(
         check_output_folder(deploy_folder(output, deploy_tp), DEPLOY_SHARDS, overwrite)
     reader = ModelTensorReader(checkpoint, verify)  # checked once, then read one tensor at a time
     meta = reader.meta
-    if meta.frozen_weights is not None:
+    if meta.frozen_weights is not None and base is None:
         raise CheckpointError(
-            f"{checkpoint} holds only what trained (saved with save_frozen_weights=False), not the frozen base a"
-            " merged export needs: export the adapter with --adapter (export_lora_adapter), or save a full"
-            " checkpoint (save_frozen_weights=True) to export the merged model."
+            f"{checkpoint} holds only what trained (saved with save_frozen_weights=False, or a QLoRA base), not"
+            " the frozen base a merged export needs: pass the Hugging Face folder the base was loaded from"
+            " (--base FOLDER, checked against the checkpoint's fingerprint), or export the adapter with --adapter."
         )
     if meta.model_config is None:
         raise CheckpointError(
@@ -93,14 +98,30 @@ def export_checkpoint(
     config = ModelConfig.from_dict(meta.model_config)
     if deploy_tp is not None:
         check_deploy_tp(config, deploy_tp)
-    required = hf_tensor_names(config)
     prefix = meta.network_prefix
     shapes = {name.removeprefix(prefix): tuple(shape) for name, (shape, _) in reader.shapes.items()
               if name.startswith(prefix)}
+    with ExitStack() as stack:
+        frozen = (stack.enter_context(open_frozen_base(base, meta, set(shapes)))
+                  if meta.frozen_weights is not None else None)
 
-    def read(names: list[str]) -> dict[str, torch.Tensor]:
-        return {name.removeprefix(prefix): tensor for name, tensor in reader.load([prefix + n for n in names]).items()}
+        def read(names: list[str]) -> dict[str, torch.Tensor]:
+            tensors = {name: frozen.load(name) for name in names if frozen is not None and name in frozen.sources}
+            held = [prefix + name for name in names if name not in tensors]
+            return tensors | {name.removeprefix(prefix): tensor for name, tensor in reader.load(held).items()}
 
+        result = _write_merged(output, meta, shapes | (frozen.shapes if frozen is not None else {}), read, checkpoint,
+                               config, dtype, max_shard_size)
+    if deploy_tp is not None:
+        deploy = write_deploy_shards(output, deploy_tp, max_shard_size=max_shard_size, overwrite=overwrite)
+        result = ExportResult(result.folder, result.files, result.total_bytes, deploy)
+    return result
+
+
+def _write_merged(output: Path, meta: CheckpointMeta, shapes: dict[str, tuple[int, ...]],
+                  read: Callable[[list[str]], dict[str, torch.Tensor]], checkpoint: Path, config: ModelConfig,
+                  dtype: str, max_shard_size: str | int) -> ExportResult:
+    """The Hugging Face folder of the model whose tensors `read` gives (`shapes`: the checkpoint's names)."""
     # a PEFT LoRA model: its factors merged into the weights they adapt
     merge = LoraMerge(meta.lora, shapes) if meta.lora is not None else None
     if merge is not None:
@@ -109,6 +130,7 @@ def export_checkpoint(
     def load(name: str) -> torch.Tensor:
         return merge.load(name, read) if merge is not None else read([name])[name]
 
+    required = hf_tensor_names(config)
     missing = [name for name in required if name not in shapes]
     if missing:
         raise CheckpointError(
@@ -117,14 +139,9 @@ def export_checkpoint(
         )
     extra = shapes.keys() - set(required)  # e.g. Qwen2's q/k/v biases
     names = required + [name for name in shapes if name in extra]
-
-    result = _write_hf_folder(output, hf_config_for(meta.model_config, EXPORT_DTYPES[dtype]),
-                              [(name, shapes[name]) for name in names], load, EXPORT_DTYPES[dtype],
-                              parse_size(max_shard_size))
-    if deploy_tp is not None:
-        deploy = write_deploy_shards(output, deploy_tp, max_shard_size=max_shard_size, overwrite=overwrite)
-        result = ExportResult(result.folder, result.files, result.total_bytes, deploy)
-    return result
+    return _write_hf_folder(output, hf_config_for(meta.model_config, EXPORT_DTYPES[dtype]),
+                            [(name, shapes[name]) for name in names], load, EXPORT_DTYPES[dtype],
+                            parse_size(max_shard_size))
 
 
 def _write_hf_folder(output: Path, config: dict[str, Any], entries: list[tuple[str, tuple[int, ...]]],

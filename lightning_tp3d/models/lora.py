@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_tp3d.models.adapter import ModelAdapter
+from lightning_tp3d.models.qlora import quantization_record
 from lightning_tp3d.parallel.attributes import find_attribute
 from lightning_tp3d.parallel.pipeline import PipelineStages, StageLoss
 from lightning_tp3d.parallel.tensor import TensorParallelPlan
@@ -105,6 +106,8 @@ class PeftLoraAdapter(ModelAdapter):
     # from the whole network (a pipeline stage holds only its own layers)
     lora_layers: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
     refused_under_tp: str | None = None  # why this model cannot be tensor parallel, if it cannot
+    # a QLoRA base: the NF4 format and the quantised weights' names (`models.qlora.quantization_record`)
+    quantized_base: Mapping[str, Any] | None = None
 
     @classmethod
     def matches(cls, network: nn.Module) -> bool:
@@ -137,7 +140,8 @@ class PeftLoraAdapter(ModelAdapter):
         return cls(layers_attribute=PEFT_PREFIX + inner.layers_attribute,
                    first_modules=tuple(PEFT_PREFIX + path for path in inner.first_modules),
                    last_modules=tuple(PEFT_PREFIX + path for path in inner.last_modules),
-                   inner=inner, lora_layers=lora_layers, refused_under_tp="; ".join(reasons) or None)
+                   inner=inner, lora_layers=lora_layers, refused_under_tp="; ".join(reasons) or None,
+                   quantized_base=quantization_record(network))
 
     @property
     def name(self) -> str:
@@ -173,10 +177,12 @@ class PeftLoraAdapter(ModelAdapter):
 
     def lora_record(self, network: nn.Module) -> dict[str, Any]:
         """The prefix, each LoRA layer's scaling alpha / r per adapter (relative to the adapted model) and the
-        adapters' configs, as `meta.json` records them for the merged export (`io.lora`)."""
+        adapters' configs, as `meta.json` records them for the merged export (`io.lora`); with a QLoRA base,
+        its NF4 format and the quantised weights (`quantized_base`)."""
         scaling = {name.removeprefix(PEFT_PREFIX): dict(adapters) for name, adapters in self.lora_layers.items()}
-        return {"prefix": PEFT_PREFIX, "scaling": scaling,
-                "configs": {adapter: _json_config(config) for adapter, config in network.peft_config.items()}}
+        record = {"prefix": PEFT_PREFIX, "scaling": scaling,
+                  "configs": {adapter: _json_config(config) for adapter, config in network.peft_config.items()}}
+        return record | ({"quantized_base": dict(self.quantized_base)} if self.quantized_base is not None else {})
 
 
 def _lora_entries(pattern: str, style: ParallelStyle, example: str) -> dict[str, ParallelStyle]:

@@ -9,7 +9,6 @@ mode; under ZeRO-1 the optimizers hold parts of the parameters and are read thro
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +28,10 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tp3d.io.checkpoint import load_checkpoint, load_rng_state
 from lightning_tp3d.io.checkpoint_format import MODEL_GROUP, CheckpointError, CheckpointMeta, read_meta
+from lightning_tp3d.io.frozen_base import frozen_fingerprint, tensor_digest
 from lightning_tp3d.io.random_state import restore_rng_state
 from lightning_tp3d.models.adapter import shaped_config
+from lightning_tp3d.parallel.nf4 import dequantized
 from lightning_tp3d.plan.layout import ParallelLayout
 
 __all__ = ["FLAT_OPTIMIZER_STATE", "UNSTEPPED", "frozen_weights_fingerprint", "load_states", "model_config",
@@ -73,22 +74,19 @@ def without_frozen(model_state: dict[str, Any], module: nn.Module) -> dict[str, 
 
 
 def frozen_weights_fingerprint(module: nn.Module, pp_group: dist.ProcessGroup | None) -> dict[str, Any]:
-    """The digest of the frozen weights, the same at every layout: the SHA-256 of each whole tensor (a
-    DTensor is gathered, one tensor at a time) by name, from every pipeline stage (gathered over `pp_group`),
-    hashed in name order. A collective over each parameter's mesh and over `pp_group`."""
+    """The digest of the frozen weights, the same at every layout (`io.frozen_base.frozen_fingerprint`): each
+    whole tensor (a DTensor gathered, one at a time; an NF4 weight dequantised) by name, from every pipeline
+    stage (gathered over `pp_group`). A collective over each parameter's mesh and over `pp_group`."""
     digests = {}
     for name, parameter in module.named_parameters():
         if not parameter.requires_grad:
-            whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-            data = whole.detach().cpu().contiguous().flatten().view(torch.uint8).numpy()
-            digests[name] = f"{whole.dtype}{tuple(whole.shape)}:{hashlib.sha256(data).hexdigest()}"
+            whole = dequantized(parameter)  # a QLoRA base's NF4 weight: the values it stands for
+            digests[name] = tensor_digest(whole.full_tensor() if isinstance(whole, DTensor) else whole)
     stages = [digests]
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         stages = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(stages, digests, group=pp_group)
-    merged = {name: digest for stage in stages for name, digest in stage.items()}
-    text = "".join(f"{name}={digest}\n" for name, digest in sorted(merged.items()))
-    return {"tensors": len(merged), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    return frozen_fingerprint({name: digest for stage in stages for name, digest in stage.items()})
 
 
 def load_states(path: Path, module: nn.Module, owner: nn.Module, optimizers: Sequence[torch.optim.Optimizer],

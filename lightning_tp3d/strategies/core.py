@@ -32,6 +32,7 @@ from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.parallel.data_parallel import DataParallel, build_data_parallel
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
 from lightning_tp3d.parallel.mesh import build_device_mesh, mesh_device
+from lightning_tp3d.parallel.nf4 import quantized_parameters
 from lightning_tp3d.parallel.pipeline import GradientHandOver, PipelineRunner
 from lightning_tp3d.plan.data_parallel import DataParallelPlan, choose_data_parallel
 from lightning_tp3d.plan.layout import ParallelLayout
@@ -219,8 +220,8 @@ class ParallelCore:
         """Write the module's and optimizers' states (see `states_of`), the loop's `trainer_state`, this
         rank's random states and `meta` (see `checkpoint_meta`) as a sharded checkpoint folder at `path`;
         with `asynchronous`, finish the returned `PendingSave` later (a collective). With
-        `save_frozen_weights=False`, `module`'s frozen weights are left out and fingerprinted."""
-        if not self.options.save_frozen_weights and module is not None:
+        `save_frozen_weights=False` or a 4-bit QLoRA base, `module`'s frozen weights are left out, fingerprinted."""
+        if module is not None and (not self.options.save_frozen_weights or quantized_parameters(module)):
             model_state = without_frozen(model_state, module)
             meta = replace(meta, frozen_weights=frozen_weights_fingerprint(module, self.group("pp")))
         return save_checkpoint(path, sharded_state(model_state, optimizer_states), trainer_state, meta,

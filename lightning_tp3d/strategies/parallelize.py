@@ -24,6 +24,7 @@ from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.data_parallel import DataParallel
 from lightning_tp3d.parallel.materialize import materialize_network
+from lightning_tp3d.parallel.nf4 import check_quantized_base
 from lightning_tp3d.parallel.pipeline import (
     GradientHandOver,
     PipelineRunner,
@@ -49,6 +50,7 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
     says its parts are (`models.adapter`); `config` (its shape, if known) is checked against the layout.
     `loss_scale()` is what the pipeline schedule multiplies the loss by before its backward (fp16 scale /
     accumulation). Returns the pipeline runner and the gradient hand-over (None, None without pipelining)."""
+    check_quantized_base(network, layout, sharded_over_dp=data_parallel.plan.parameter_shards > 1)
     tp_plan = adapter.tp_plan()
     if layout.tensor_parallel_size > 1:
         check_plan_matches(network, tp_plan, adapter.name)

@@ -7,6 +7,11 @@ recompute runs on unsharded parameters (`parallel.parallelize`'s order). Under p
 module is called directly, so each is an FSDP root of its own, and by default its parameters stay
 gathered through the step's micro-batches (once per step, not once per micro-batch, as torchtitan
 does; `plan.schedules.fsdp_reshards_after_forward`).
+
+A tensor subclass with FSDP2's all-gather extension (`fsdp_pre_all_gather`: torchao's NF4 weights of a
+QLoRA base, `models.qlora`) is sharded as the subclass defines when dp > 1. Over a single rank FSDP2
+(torch 2.13) copies out only the first of a subclass's all-gather inputs, which breaks one with several
+(NF4 has three); there is nothing to shard there, so at dp = 1 such parameters are left out of the units.
 """
 
 from __future__ import annotations
@@ -34,10 +39,18 @@ def apply_fsdp(roots: Iterable[nn.Module], dp_mesh: DeviceMesh, blocks: Iterable
     parameters once per micro-batch and, with the split backward (torch 2.13), leaves the weight
     gradients on parameters FSDP has already swapped out: they come back wrong or missing.
     """
+    roots = list(roots)
+    ignored = _single_rank_extensions(roots) if dp_mesh.size() == 1 else set()
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
     for root in roots:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+
+
+def _single_rank_extensions(roots: Iterable[nn.Module]) -> set[nn.Parameter]:
+    """The parameters of `roots` whose tensor type has FSDP2's all-gather extension (module docstring)."""
+    return {parameter for root in roots for parameter in root.parameters()
+            if hasattr(type(parameter), "fsdp_pre_all_gather")}
 
 
 class FullyShard(DataParallel):

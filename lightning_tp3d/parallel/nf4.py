@@ -1,0 +1,109 @@
+"""NF4 weights (4-bit NormalFloat, torchao's `NF4Tensor`) as the parallel code meets them: telling them
+apart, the values they stand for, quantising a tensor, and the layouts that can hold them.
+
+A QLoRA base (`models.qlora`) holds its block projections in NF4. FSDP2 shards an NF4 weight along its
+rows as packed blocks (torchao's FSDP2 all-gather extension): each dp rank holds 1/dp of the 4-bit data
+and the all-gather moves 4-bit data; each shard must hold whole rows and whole scaler blocks, (out / dp) x
+in divisible by block_size x scaler_block_size. Replicate and ZeRO-1 leave a frozen weight as it is (it
+is neither reduced nor in the optimizer); pipeline stages hold their own blocks' weights. Tensor
+parallelism is refused: an NF4 weight is a packed tensor of blocks along its flattened rows, which
+torchao cannot split along the input columns (row parallel) nor DTensor distribute.
+
+No NF4 tensor exists before torchao is imported, so telling them apart never imports it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
+from lightning_tp3d.plan.qlora import NF4_FORMAT, NF4Format
+
+__all__ = ["check_quantized_base", "dequantized", "is_quantized", "nf4_format_of", "quantized_parameters",
+           "round_trip", "to_nf4"]
+
+
+def _torchao_nf4() -> type:
+    try:
+        from torchao.quantization import NF4Tensor
+    except ImportError as error:
+        raise ImportError("QLoRA needs torchao's NF4 tensor: pip install 'lightning-tp3d[qlora]'"
+                          " (torchao>=0.18).") from error
+    return NF4Tensor
+
+
+def is_quantized(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` (or a DTensor's local part) is an NF4 tensor."""
+    module = sys.modules.get("torchao.quantization")
+    if module is None or not hasattr(module, "NF4Tensor"):
+        return False
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return isinstance(local, module.NF4Tensor)
+
+
+def quantized_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """`module`'s NF4 parameters by name."""
+    return {name: parameter for name, parameter in module.named_parameters() if is_quantized(parameter)}
+
+
+def dequantized(tensor: torch.Tensor) -> torch.Tensor:
+    """The values an NF4 tensor (or a DTensor of NF4 parts) stands for, in its original dtype; a DTensor
+    stays one, its local part dequantised. Any other tensor is returned as it is."""
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
+        if not is_quantized(local):
+            return tensor
+        return DTensor.from_local(local.get_original_weight(), tensor.device_mesh, tensor.placements,
+                                  shape=tensor.shape, stride=tensor.stride())
+    return tensor.get_original_weight() if is_quantized(tensor) else tensor
+
+
+def to_nf4(weight: torch.Tensor, nf4_format: NF4Format = NF4_FORMAT) -> torch.Tensor:
+    """`weight` quantised to NF4 in `nf4_format` (a plain tensor, refused with the reason if it cannot be)."""
+    nf4_format.check(tuple(weight.shape), "a weight")
+    return _torchao_nf4().from_tensor(weight.detach().contiguous(), nf4_format.block_size,
+                                      nf4_format.scaler_block_size)
+
+
+def round_trip(weight: torch.Tensor, nf4_format: NF4Format = NF4_FORMAT) -> torch.Tensor:
+    """dequant(quant(weight)): the values a base weight has in QLoRA training (the merged export's base)."""
+    return to_nf4(weight, nf4_format).get_original_weight()
+
+
+def nf4_format_of(tensor: torch.Tensor) -> NF4Format:
+    """The block sizes of an NF4 tensor (or a DTensor of NF4 parts)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return NF4Format(block_size=local.block_size, scaler_block_size=local.scaler_block_size)
+
+
+def check_quantized_base(network: nn.Module, layout: ParallelLayout, sharded_over_dp: bool) -> None:
+    """Refuse, before `network` is split, NF4 weights the layout cannot hold (the module docstring): tensor
+    parallelism, or FSDP2 shards (`sharded_over_dp`) that cut a scaler block."""
+    quantized = quantized_parameters(network)
+    if not quantized:
+        return
+    name = next(iter(quantized))
+    if layout.tensor_parallel_size > 1:
+        raise LayoutError(
+            f"{len(quantized)} weights of the network are 4-bit NF4 (QLoRA; e.g. {name}), which tensor parallelism"
+            " cannot split: torchao's NF4 tensor packs blocks along the flattened rows and has no column split"
+            " nor DTensor sharding. Use tensor_parallel_size=1 with data_parallel_mode='fsdp' (which shards the"
+            " 4-bit weights) and pipeline parallelism, or LoRA on an unquantised base under tensor parallelism."
+        )
+    dp = layout.data_parallel_size
+    if sharded_over_dp and dp > 1:
+        for name, parameter in quantized.items():
+            nf4_format = nf4_format_of(parameter)
+            rows, columns = parameter.shape
+            if rows % dp or (rows // dp * columns) % nf4_format.elements_per_scaler_block:
+                raise LayoutError(
+                    f"{name} ({rows} x {columns}, NF4) cannot be sharded by FSDP over dp={dp}: each shard must hold"
+                    f" whole rows and whole scaler blocks of {nf4_format.elements_per_scaler_block} weights"
+                    f" (block_size {nf4_format.block_size} x scaler_block_size {nf4_format.scaler_block_size})."
+                    " Quantise with smaller blocks, or use data_parallel_mode='replicate' (the frozen weights are"
+                    " not sharded, only the adapters train)."
+                )
