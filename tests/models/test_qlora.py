@@ -93,10 +93,11 @@ def _nf4_storage(parameter: torch.Tensor) -> int:
 RUNS: dict[int, dict[str, dict[str, Any]]] = {2: {
     "qlora-tp1-pp1-dp2-fsdp": dict(tp=1, pp=1, mode="fsdp", save=True),
     "qlora-tp1-pp2-dp1-1f1b": dict(tp=1, pp=2, mode="replicate"),
+    "qlora-tp1-pp1-dp2-zero1": dict(tp=1, pp=1, mode="zero1"),
     "qlora-resumed-tp1-pp2-dp1": dict(tp=1, pp=2, mode="fsdp", resume="qlora-tp1-pp1-dp2-fsdp"),
     "qlora-tp2-refused": dict(tp=2, pp=1, mode="replicate"),
 }}
-CONFIGURATIONS = ["qlora-tp1-pp1-dp2-fsdp", "qlora-tp1-pp2-dp1-1f1b"]
+CONFIGURATIONS = ["qlora-tp1-pp1-dp2-fsdp", "qlora-tp1-pp2-dp1-1f1b", "qlora-tp1-pp1-dp2-zero1"]
 
 
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = False,
