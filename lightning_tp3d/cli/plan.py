@@ -29,6 +29,7 @@ from lightning_tp3d.plan.ledger import (
     training_ledger,
 )
 from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
+from lightning_tp3d.plan.qlora import NF4_FORMAT, NF4Format
 from lightning_tp3d.plan.schedules import bubble_fraction
 from lightning_tp3d.plan.units import parse_size
 
@@ -68,6 +69,9 @@ def plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--lora-targets", nargs="+", choices=LORA_TARGETS, default=list(DEFAULT_LORA_TARGETS),
                       metavar="NAME", help=f"the blocks' layers LoRA adapts (default {' '.join(DEFAULT_LORA_TARGETS)};"
                                            f" any of {' '.join(LORA_TARGETS)})")
+    plan.add_argument("--qlora", action="store_true",
+                      help="QLoRA (with --lora-rank): the blocks' projections frozen in 4-bit NF4 (blocks of 64"
+                           " weights, 256 scales per factor), tp 1")
     plan.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
                       help="1f1b needs num_microbatches >= pp; about 4 x pp keeps the bubble near 20%%")
     plan.add_argument("--gpus-per-node", type=int, default=None,
@@ -164,7 +168,7 @@ def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
     cluster = Cluster(args.gpus, parse_size(args.gpu_memory), args.gpus_per_node or _GPUS_PER_NODE,
                       args.gpu_tflops, args.mfu, group_gbps=_given_bandwidths(args))
     candidates = advise(config, cluster, args.global_batch_size, args.seq_len, args.precision, args.micro_batch_size,
-                        args.lora_rank, tuple(args.lora_targets))
+                        args.lora_rank, tuple(args.lora_targets), _qlora(args))
     fitting = [candidate for candidate in candidates if candidate.fits]
     if args.json:
         print(json.dumps([asdict(candidate) | {"step_seconds": candidate.step_seconds} for candidate in candidates],
@@ -192,7 +196,14 @@ def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
 
 
 def _lora_words(args: argparse.Namespace) -> str:
-    return f", LoRA r {args.lora_rank} on {' '.join(args.lora_targets)}" if args.lora_rank else ""
+    kind = "QLoRA (NF4 base)" if args.qlora else "LoRA"
+    return f", {kind} r {args.lora_rank} on {' '.join(args.lora_targets)}" if args.lora_rank else ""
+
+
+def _qlora(args: argparse.Namespace) -> NF4Format | None:
+    if args.qlora and not args.lora_rank:
+        raise ValueError("--qlora needs --lora-rank R: QLoRA trains LoRA factors on the frozen 4-bit base.")
+    return NF4_FORMAT if args.qlora else None
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -209,7 +220,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     options = TrainingOptions(seq_len=args.seq_len, precision=args.precision, recompute=args.recompute,
                               data_parallel_mode=args.dp_mode, schedule=args.schedule,
                               recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-                              lora_rank=args.lora_rank, lora_targets=tuple(args.lora_targets))
+                              lora_rank=args.lora_rank, lora_targets=tuple(args.lora_targets), qlora=_qlora(args))
     if args.gpus_per_node is not None:
         layout.validate_cluster(args.gpus_per_node)
     training = training_ledger(config, layout, options)
@@ -233,8 +244,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(f"training {args.precision}, recompute={recompute}, dp mode={args.dp_mode}, schedule={args.schedule}")
     if args.lora_rank:
         trainable = ", ".join(f"stage {stage.stage} {stage.trainable_parameters:,}" for stage in training.stages)
-        print(f"LoRA r={args.lora_rank} on {' '.join(args.lora_targets)}: trainable parameters per rank {trainable};"
-              " the rest frozen (weights only, no gradients or optimizer state)")
+        base = " in 4-bit NF4" if args.qlora else ""
+        print(f"{_lora_words(args)[2:]}: trainable parameters per rank {trainable}; the rest frozen{base}"
+              " (weights only, no gradients or optimizer state)")
     print(f"{'stage':>5} {'layers':>9} {'params/rank':>14} {'weights':>9} {'grads':>9} {'optim':>9} "
           f"{'activ':>9} {'total GiB':>9}")
     for stage in training.stages:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
-from lightning_tp3d.plan.qlora import NF4_FORMAT, NF4Format
+from lightning_tp3d.plan.qlora import NF4_FORMAT, TENSOR_PARALLEL_REASON, NF4Format
 
 __all__ = ["check_quantized_base", "dequantized", "is_quantized", "nf4_format_of", "quantized_parameters",
            "round_trip", "to_nf4"]
@@ -86,24 +86,9 @@ def check_quantized_base(network: nn.Module, layout: ParallelLayout, sharded_ove
     quantized = quantized_parameters(network)
     if not quantized:
         return
-    name = next(iter(quantized))
     if layout.tensor_parallel_size > 1:
-        raise LayoutError(
-            f"{len(quantized)} weights of the network are 4-bit NF4 (QLoRA; e.g. {name}), which tensor parallelism"
-            " cannot split: torchao's NF4 tensor packs blocks along the flattened rows and has no column split"
-            " nor DTensor sharding. Use tensor_parallel_size=1 with data_parallel_mode='fsdp' (which shards the"
-            " 4-bit weights) and pipeline parallelism, or LoRA on an unquantised base under tensor parallelism."
-        )
-    dp = layout.data_parallel_size
-    if sharded_over_dp and dp > 1:
+        raise LayoutError(f"{len(quantized)} weights of the network are 4-bit NF4 (QLoRA; e.g."
+                          f" {next(iter(quantized))}), and {TENSOR_PARALLEL_REASON}")
+    if sharded_over_dp:
         for name, parameter in quantized.items():
-            nf4_format = nf4_format_of(parameter)
-            rows, columns = parameter.shape
-            if rows % dp or (rows // dp * columns) % nf4_format.elements_per_scaler_block:
-                raise LayoutError(
-                    f"{name} ({rows} x {columns}, NF4) cannot be sharded by FSDP over dp={dp}: each shard must hold"
-                    f" whole rows and whole scaler blocks of {nf4_format.elements_per_scaler_block} weights"
-                    f" (block_size {nf4_format.block_size} x scaler_block_size {nf4_format.scaler_block_size})."
-                    " Quantise with smaller blocks, or use data_parallel_mode='replicate' (the frozen weights are"
-                    " not sharded, only the adapters train)."
-                )
+            nf4_format_of(parameter).check_shard(tuple(parameter.shape), layout.data_parallel_size, name)

@@ -31,6 +31,7 @@ from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions, training_flops_per_token, training_ledger
 from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS
+from lightning_tp3d.plan.qlora import NF4Format
 
 __all__ = ["Cluster", "LayoutCandidate", "advise", "evaluate_layout"]
 
@@ -66,6 +67,7 @@ class LayoutCandidate:
     exposed_seconds: dict[str, float]
     lora_rank: int = 0  # a LoRA fine-tune of `lora_targets` (`plan.lora`); 0: every weight trains
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    qlora: NF4Format | None = None  # QLoRA: the blocks' projections frozen in 4-bit NF4 (`plan.qlora`)
 
     @property
     def step_seconds(self) -> float:
@@ -87,7 +89,7 @@ class LayoutCandidate:
         return TrainingOptions(seq_len=seq_len, precision=precision, recompute=self.recompute,
                                data_parallel_mode=self.data_parallel_mode,
                                fsdp_reshard_after_forward=self.fsdp_reshard_after_forward,
-                               lora_rank=self.lora_rank, lora_targets=self.lora_targets)
+                               lora_rank=self.lora_rank, lora_targets=self.lora_targets, qlora=self.qlora)
 
     def parts(self) -> dict[str, float]:
         """The step's seconds by cause: compute (with recompute), bubble, each group's exposed communication."""
@@ -130,14 +132,16 @@ def evaluate_layout(config: ModelConfig, cluster: Cluster, layout: ParallelLayou
                            options.fsdp_reshard_after_forward,
                            options.recompute, m, layout.gradient_accumulation_steps, peak,
                            peak <= cluster.usable_fraction * cluster.gpu_memory_bytes, compute, bubble, exposed,
-                           options.lora_rank, tuple(options.lora_targets))
+                           options.lora_rank, tuple(options.lora_targets), options.qlora)
 
 
 def advise(config: ModelConfig, cluster: Cluster, global_batch_size: int, seq_len: int,
            precision: str = "bf16-mixed", micro_batch_size: int = 1, lora_rank: int = 0,
-           lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> list[LayoutCandidate]:
+           lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS, qlora: NF4Format | None = None
+           ) -> list[LayoutCandidate]:
     """Every valid layout of `cluster` for `config`, fitting ones first, each group by predicted step time;
-    `lora_rank` > 0: for a LoRA fine-tune of `lora_targets` (`plan.lora`)."""
+    `lora_rank` > 0: for a LoRA fine-tune of `lora_targets` (`plan.lora`), on a 4-bit base with `qlora`
+    (tp 1 only, FSDP where its shards hold whole NF4 blocks)."""
     candidates = []
     for tp in _divisors(cluster.gpus_per_node):
         if cluster.gpus % tp:
@@ -161,6 +165,9 @@ def advise(config: ModelConfig, cluster: Cluster, global_batch_size: int, seq_le
             for (mode, reshard), recompute in itertools.product(modes, ("none", "selective", "full")):
                 options = TrainingOptions(seq_len=seq_len, precision=precision, recompute=recompute,
                                           data_parallel_mode=mode, fsdp_reshard_after_forward=reshard,
-                                          lora_rank=lora_rank, lora_targets=tuple(lora_targets))
-                candidates.append(evaluate_layout(config, cluster, layout, options, global_batch_size))
+                                          lora_rank=lora_rank, lora_targets=tuple(lora_targets), qlora=qlora)
+                try:
+                    candidates.append(evaluate_layout(config, cluster, layout, options, global_batch_size))
+                except LayoutError:  # a 4-bit base at tp > 1, or FSDP shards cutting its blocks
+                    continue
     return sorted(candidates, key=lambda candidate: (not candidate.fits, candidate.step_seconds))

@@ -32,7 +32,8 @@ dp `fsdp` (FSDP2, one unit per block plus one for the stage's other parameters):
     parameters stay gathered through the step (the default under pipelining); resharded after each
     forward, 2 without pipelining (forward, then again in backward; the default) and m + 1 under it
     (each micro-batch's forward, and once for the backwards, between which pipelining keeps the unit
-    gathered; measured with 1F1B).
+    gathered; measured with 1F1B). A QLoRA block (`qlora`) gathers its 4-bit projections as NF4 bytes
+    (`plan.qlora.nf4_all_gather_bytes` of each shard), in one byte-typed all-gather with the rest.
     gloo runs a reduce-scatter as an all-reduce of the whole input (its flight recorder says so), so
     the ledger counts an all-reduce of the same payload there (`backend="gloo"`, `_reduce_scatter_on`).
 dp `zero1` (`parallel.data_parallel.zero`): once per step, after backward, per bucket of `plan.optimizer_sharding`
@@ -65,6 +66,7 @@ from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions
 from lightning_tp3d.plan.lora import lora_layer_shapes
 from lightning_tp3d.plan.optimizer_sharding import pack_buckets, part_sizes
+from lightning_tp3d.plan.qlora import QUANTIZED_LAYER_WEIGHTS, NF4Format, nf4_all_gather_bytes
 from lightning_tp3d.plan.recompute import recomputed_layers
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, LAYER_WEIGHTS, WeightSplit
 
@@ -159,6 +161,20 @@ def _local_shape(weight: WeightSplit, config: ModelConfig, tp: int) -> tuple[int
 def _fsdp_shard(shapes: list[tuple[int, ...]], dp: int) -> int:
     """Elements of one dp rank's FSDP2 shard of a unit: each parameter's dim 0 padded to a multiple of d."""
     return sum(-(-shape[0] // dp) * math.prod(shape[1:]) for shape in shapes)
+
+
+def _gathered_block(layer_shapes: list[tuple[int, ...]], lora_shapes: list[tuple[int, ...]], dp: int,
+                    element_bytes: int, qlora: NF4Format | None) -> tuple[int, int]:
+    """(elements, element bytes) of a block's FSDP2 all-gather: its shard (`layer_shapes` in `LAYER_WEIGHTS`
+    order, then the LoRA factors) in the parameters' dtype, or for a QLoRA block, bytes: the NF4
+    projections' packed parts and the rest together (FSDP2 gathers mixed dtypes as one byte buffer)."""
+    if qlora is None:
+        return _fsdp_shard(layer_shapes + lora_shapes, dp), element_bytes
+    quantized = [weight in QUANTIZED_LAYER_WEIGHTS for weight in LAYER_WEIGHTS]
+    dense = [shape for shape, packed in zip(layer_shapes, quantized) if not packed] + lora_shapes
+    packed_bytes = sum(nf4_all_gather_bytes(math.prod(shape) // dp, element_bytes, qlora)
+                       for shape, packed in zip(layer_shapes, quantized) if packed)
+    return _fsdp_shard(dense, dp) * element_bytes + packed_bytes, 1
 
 
 def _registration_order(root_shapes: list[tuple[int, ...]], layer_shapes: list[tuple[int, ...]],
@@ -266,13 +282,15 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
                 steps = layout.gradient_accumulation_steps  # FSDP2 reduces after every accumulated batch
                 gathers = steps * ((layout.num_microbatches + 1 if pp > 1 else 2) if data_parallel.reshard_after_forward
                                    else 1)
-                block = layer_shapes + [shape for shape, _ in lora]
-                units: list[tuple[list[tuple[int, ...]], list[tuple[int, ...]], str]] = [
-                    (block, trained_layer_shapes, f"block {index}") for index in layers]
+                # per unit: its all-gather's (elements, element bytes), the gradients it reduces, its name
+                units: list[tuple[tuple[int, int], list[tuple[int, ...]], str]] = [
+                    (_gathered_block(layer_shapes, [shape for shape, _ in lora], dp, stream, options.qlora),
+                     trained_layer_shapes, f"block {index}") for index in layers]
                 if root_shapes:
-                    units.append((root_shapes, trained_root_shapes, "stage root (embedding / norm / head)"))
-                for shapes, trained_shapes, name in units:
-                    transfers.append(Transfer("dp", "all_gather", gathers, _fsdp_shard(shapes, dp), stream,
+                    units.append(((_fsdp_shard(root_shapes, dp), stream), trained_root_shapes,
+                                  "stage root (embedding / norm / head)"))
+                for (elements, element_bytes), trained_shapes, name in units:
+                    transfers.append(Transfer("dp", "all_gather", gathers, elements, element_bytes,
                                               f"parameters of {name}", hideable=True))
                     if trained_shapes:  # FSDP2 reduce-scatters the gradients that exist
                         transfers.append(Transfer("dp", reduce, steps, _fsdp_shard(trained_shapes, dp) * dp, stream,

@@ -31,6 +31,10 @@ dim (a d = h), V vocab, L layers, t tp, s sequence length, b micro-batch.
 * LoRA (`lora_rank` > 0, `plan.lora`): each block adds its factors' parameters, the only ones with
   gradients and optimizer state (the rest keep their weight bytes), and r values per token and target to
   its activations (A x, kept for B's backward).
+* QLoRA (`qlora`, an `NF4Format`, with `lora_rank` > 0; `plan.qlora`): the seven projections of each block
+  are held in 4-bit NF4, `nf4_bytes(n / d_FSDP)` per weight of n elements instead of e n (e the
+  precision's parameter bytes, which the NF4 scales keep); FSDP gathers NF4 bytes. Tensor parallelism is
+  refused. The dequantised copy of the one weight being multiplied is a transient, not counted.
 * In-flight micro-batches: with 1F1B stage i holds min(m, pp - i) micro-batches' activations, with
   GPipe all m; without pipelining one.
 * Serving KV cache: 2 x L x k x d x bytes per token, split over the deploy tp size (kv heads are
@@ -50,6 +54,7 @@ from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.data_parallel import DataParallelPlan, check_data_parallel_mode, choose_data_parallel
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, check_lora_options, lora_layer_shapes
+from lightning_tp3d.plan.qlora import TENSOR_PARALLEL_REASON, NF4Format, quantized_layer
 from lightning_tp3d.plan.recompute import check_recompute_options, recomputed_layers
 from lightning_tp3d.plan.schedules import stages_per_rank_of
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, layer_parameters_per_rank, parameters_per_rank
@@ -93,6 +98,7 @@ class TrainingOptions:
     overlap_gradient_reduction: bool = True  # replicate mode without pipelining: buckets during backward
     lora_rank: int = 0  # > 0: a LoRA fine-tune of the blocks' `lora_targets` (`plan.lora`), the rest frozen
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    qlora: NF4Format | None = None  # a QLoRA fine-tune: the blocks' projections frozen in this 4-bit format
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -100,6 +106,8 @@ class TrainingOptions:
         check_recompute_options(self.recompute, self.recompute_method, self.recompute_num_layers)
         check_data_parallel_mode(self.data_parallel_mode)
         check_lora_options(self.lora_rank, tuple(self.lora_targets))
+        if self.qlora is not None and not self.lora_rank:
+            raise ValueError("qlora needs lora_rank > 0: QLoRA trains LoRA factors on a frozen 4-bit base.")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule={self.schedule!r} is not one of ['1f1b', 'gpipe'].")
         if self.seq_len < 1:
@@ -185,6 +193,8 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
     tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
     if pp > 1:
         stages_per_rank_of(options.schedule, pp, layout.num_microbatches, 1)  # 1F1B: m >= pp
+    if options.qlora and tp > 1:
+        raise LayoutError(f"qlora at tensor_parallel_size={tp}: {TENSOR_PARALLEL_REASON}")
     weight, gradient, optimizer, activation = PRECISIONS[options.precision]
     data_parallel = options.data_parallel(layout)
     shard = data_parallel.parameter_shards
@@ -218,13 +228,20 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
         trainable = len(layers) * lora_layer if options.lora_rank else parameters
         local, trainable_local = -(-parameters // shard), -(-trainable // shard)
         optimizer_local = -(-trainable // data_parallel.optimizer_shards)
+        # a QLoRA block's 4-bit projections: (elements, bytes) held on this rank and gathered by FSDP
+        held, whole = ((quantized_layer(config, shard, weight, options.qlora),
+                        quantized_layer(config, 1, weight, options.qlora)) if options.qlora else ((0, 0), (0, 0)))
+
+        def weight_bytes(elements: int, blocks: int, nf4: tuple[int, int]) -> int:
+            return (elements - blocks * nf4[0]) * weight + blocks * nf4[1]
+
         gathered = 0
         if shard > 1:
-            gathered = (2 * (layer_parameters_per_rank(config, tp) + lora_layer) if data_parallel.reshard_after_forward
-                        else parameters) * weight
+            gathered = (2 * weight_bytes(layer_parameters_per_rank(config, tp) + lora_layer, 1, whole)
+                        if data_parallel.reshard_after_forward else weight_bytes(parameters, len(layers), whole))
         stages.append(StageLedger(
             stage=stage, first_layer=layers.start, num_layers=len(layers), parameters=parameters,
-            weight_bytes=local * weight, gradient_bytes=trainable_local * gradient,
+            weight_bytes=weight_bytes(local, len(layers), held), gradient_bytes=trainable_local * gradient,
             optimizer_bytes=optimizer_local * optimizer, activation_bytes=activation_bytes * in_flight,
             in_flight_microbatches=in_flight, gathered_weight_bytes=gathered,
             trainable_parameters=trainable if options.lora_rank else None,

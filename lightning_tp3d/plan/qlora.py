@@ -10,6 +10,12 @@ stored as torchao's `NF4Tensor` stores it:
 
 where e is the element size of the base's dtype (4 for fp32, 2 for bf16): 0.5156 bytes per weight at the
 QLoRA paper's block sizes (64, 256), against 2 in bf16.
+
+Where a 4-bit base goes (`parallel.nf4.check_quantized_base` at launch, `plan.ledger` before it): the seven
+projections of every block (q, k, v, o, gate, up, down) are held in NF4, the embedding, norms and head stay
+dense. FSDP2 shards an NF4 weight along its rows over dp (torchao's all-gather extension: each rank keeps
+n / d elements as an NF4 tensor of its own, so `nf4_bytes(n / d)`), which needs whole rows and whole scaler
+blocks per shard; tensor parallelism cannot split one (`TENSOR_PARALLEL_REASON`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["NF4_FORMAT", "NF4Format", "nf4_bytes"]
+from lightning_tp3d.plan.config import ModelConfig
+from lightning_tp3d.plan.layout import LayoutError
+from lightning_tp3d.plan.sharding import LAYER_WEIGHTS
+
+__all__ = ["NF4_FORMAT", "NF4Format", "QUANTIZED_LAYER_WEIGHTS", "TENSOR_PARALLEL_REASON", "nf4_all_gather_bytes",
+           "nf4_bytes", "quantized_layer"]
+
+TENSOR_PARALLEL_REASON = (
+    "tensor parallelism cannot split a 4-bit NF4 weight: torchao's NF4 tensor packs blocks along the flattened"
+    " rows and has no column split nor DTensor sharding. Use tensor_parallel_size=1 with data_parallel_mode="
+    "'fsdp' (which shards the 4-bit weights) and pipeline parallelism, or LoRA on an unquantised base under"
+    " tensor parallelism."
+)
 
 NF4_LEVELS = 16
 
@@ -51,6 +69,19 @@ class NF4Format:
                 f" {self.elements_per_scaler_block} elements; pick smaller blocks (NF4Format) for a small model."
             )
 
+    def check_shard(self, shape: tuple[int, int], shards: int, what: str) -> None:
+        """Refuse an FSDP2 split of a (rows x columns) NF4 weight over `shards` ranks that cuts a row or a
+        scaler block."""
+        rows, columns = shape
+        if shards > 1 and (rows % shards or (rows // shards * columns) % self.elements_per_scaler_block):
+            raise LayoutError(
+                f"{what} ({rows} x {columns}, NF4) cannot be sharded by FSDP over dp={shards}: each shard must hold"
+                f" whole rows and whole scaler blocks of {self.elements_per_scaler_block} weights (block_size"
+                f" {self.block_size} x scaler_block_size {self.scaler_block_size}). Quantise with smaller blocks,"
+                " or use data_parallel_mode='replicate' (the frozen weights are not sharded, only the adapters"
+                " train)."
+            )
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -63,3 +94,26 @@ def nf4_bytes(numel: int, element_size: int, nf4_format: NF4Format = NF4_FORMAT)
     blocks = numel // nf4_format.block_size
     factors = blocks // nf4_format.scaler_block_size
     return numel // 2 + blocks + (factors + 1 + NF4_LEVELS) * element_size
+
+
+def nf4_all_gather_bytes(numel: int, element_size: int, nf4_format: NF4Format = NF4_FORMAT) -> int:
+    """Bytes one rank's FSDP2 shard of `numel` NF4 elements hands to the all-gather: its data, scales and
+    factors (the scales' mean and the levels travel as metadata, the same on every rank)."""
+    return nf4_bytes(numel, element_size, nf4_format) - (1 + NF4_LEVELS) * element_size
+
+
+QUANTIZED_LAYER_WEIGHTS = tuple(weight for weight in LAYER_WEIGHTS if weight.split != "replicated")
+
+
+def quantized_layer(config: ModelConfig, shards: int, element_size: int,
+                    nf4_format: NF4Format = NF4_FORMAT) -> tuple[int, int]:
+    """(elements, bytes) of one block's NF4 projections on a rank that holds 1 / `shards` of each (FSDP2's
+    dp, else 1), refused where a shard would cut a block."""
+    elements = stored = 0
+    for weight in QUANTIZED_LAYER_WEIGHTS:
+        out, inp = weight.shape(config)
+        nf4_format.check((out, inp), f"the 4-bit {weight.module}")
+        nf4_format.check_shard((out, inp), shards, f"the 4-bit {weight.module}")
+        elements += out * inp // shards
+        stored += nf4_bytes(out * inp // shards, element_size, nf4_format)
+    return elements, stored

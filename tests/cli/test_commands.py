@@ -104,3 +104,28 @@ def test_plan_counts_a_lora_fine_tune_and_the_advisor_ranks_its_layouts(capsys):
                  "--lora-rank", "16", "--json"]) == 0
     best = json.loads(capsys.readouterr().out)[0]
     assert best["lora_rank"] == 16 and best["fits"]
+
+
+def test_plan_counts_a_qlora_base_in_4_bit_and_the_advisor_keeps_to_tp_1(capsys):
+    """`--qlora`: the blocks' projections cost NF4 bytes (`plan.qlora.nf4_bytes`: 0.516 per weight at the
+    paper's blocks, fp32 scales under bf16-mixed), the embedding and head theirs; what trains is LoRA's."""
+    args = ["plan", "deepseek-llm-7b", "--pp", "2", "--lora-rank", "16", "--json"]
+    assert main(args) == 0
+    lora = json.loads(capsys.readouterr().out)["training"]["stages"][0]
+    assert main(args + ["--qlora"]) == 0
+    qlora = json.loads(capsys.readouterr().out)["training"]["stages"][0]
+    h, f, layers = 4096, 11008, 15
+    projections = [h * h] * 4 + [f * h] * 3
+    nf4 = sum(n // 2 + n // 64 + (n // 16384 + 17) * 4 for n in projections)
+    assert qlora["weight_bytes"] == lora["weight_bytes"] - layers * (4 * sum(projections) - nf4)
+    assert {key: qlora[key] for key in ("gradient_bytes", "optimizer_bytes", "trainable_parameters")} == {
+        key: lora[key] for key in ("gradient_bytes", "optimizer_bytes", "trainable_parameters")}
+    assert main(["plan", "deepseek-llm-7b", "--gpus", "8", "--global-batch-size", "64", "--seq-len", "2048",
+                 "--lora-rank", "16", "--qlora", "--json"]) == 0
+    candidates = json.loads(capsys.readouterr().out)
+    assert candidates and {candidate["tensor_parallel_size"] for candidate in candidates} == {1}
+    assert all(candidate["qlora"] == {"block_size": 64, "scaler_block_size": 256} for candidate in candidates)
+    assert main(["plan", "deepseek-llm-7b", "--tp", "2", "--lora-rank", "16", "--qlora"]) == 2
+    assert "tensor parallelism cannot split a 4-bit NF4 weight" in capsys.readouterr().err
+    assert main(["plan", "deepseek-llm-7b", "--qlora"]) == 2
+    assert "--qlora needs --lora-rank R" in capsys.readouterr().err

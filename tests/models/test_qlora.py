@@ -2,7 +2,8 @@
 4-bit NF4 (torchao), trained at (1, 1, 2) FSDP (the 4-bit weights sharded) and (1, 2, 1) 1F1B, against the
 same quantised model trained by one process: 5 steps of losses and every LoRA gradient before the first
 update (fp32, rtol 1e-5: the quantised weights are the same bytes in both, dequantised by the same
-kernel, so the bound is the LoRA parity suite's summation-order one). Checkpoints of a quantised base hold
+kernel, so the bound is the LoRA parity suite's summation-order one). Each rank's weight, gradient and
+optimizer bytes and its dp traffic are the ledgers' to the byte. Checkpoints of a quantised base hold
 what trains and resume at another layout; the merged export from the base folder is the trained model.
 """
 
@@ -20,11 +21,16 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_tp3d import TP3DStrategy
+from lightning_tp3d.callbacks.monitor import local_storage_bytes
+from lightning_tp3d.callbacks.traffic import RecordTraffic
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.io.checkpoint_format import ModelTensorReader
 from lightning_tp3d.models.qlora import quantize_base
 from lightning_tp3d.parallel.nf4 import dequantized, quantized_parameters
-from lightning_tp3d.plan.layout import LayoutError
+from lightning_tp3d.plan.communication import communication_ledger
+from lightning_tp3d.plan.config import ModelConfig
+from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
+from lightning_tp3d.plan.ledger import TrainingOptions, training_ledger
 from lightning_tp3d.plan.qlora import NF4Format, nf4_bytes
 from tests.distributed import results_by_name
 from tests.helpers import (
@@ -37,7 +43,7 @@ from tests.helpers import (
     trainer_kwargs,
 )
 from tests.models.test_huggingface import SHAPE, hf_loss, hf_network
-from tests.models.test_lora import LoraModule, lora_network
+from tests.models.test_lora import TARGETS, LoraModule, lora_network
 
 pytest.importorskip("peft")
 pytest.importorskip("torchao")
@@ -78,6 +84,12 @@ class QuantizedWeights(Callback):
                         if not torch.equal(full_tensor(dequantized(parameter)), self.start[name])]
         self.local_bytes = sum(_nf4_storage(parameter) for parameter in quantized.values())
         self.local_numel = sum(_local(parameter).numel() for parameter in quantized.values())
+        self.moment_bytes = local_storage_bytes(  # Adam's two moments (the step counts are scalars)
+            state[key] for optimizer in trainer.optimizers for state in optimizer.state.values()
+            for key in ("exp_avg", "exp_avg_sq"))
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.gradient_bytes = local_storage_bytes(parameter.grad for parameter in pl_module.parameters())
 
 
 def _local(parameter: torch.Tensor) -> torch.Tensor:
@@ -103,10 +115,10 @@ CONFIGURATIONS = ["qlora-tp1-pp1-dp2-fsdp", "qlora-tp1-pp2-dp1-1f1b", "qlora-tp1
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = False,
          resume: str | None = None) -> dict[str, Any]:
     dp = 2 // (tp * pp)
-    logger, capture, quantized = MemoryLogger(), CaptureGradients(), QuantizedWeights()
+    logger, capture, quantized, traffic = MemoryLogger(), CaptureGradients(), QuantizedWeights(), RecordTraffic()
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
                             data_parallel_mode=mode)
-    callbacks: list[Callback] = [capture, quantized]
+    callbacks: list[Callback] = [capture, quantized, traffic]
     if save:
         callbacks.append(ModelCheckpoint(dirpath=directory, filename=name, every_n_train_steps=STEPS))
     trainer = L.Trainer(**trainer_kwargs(devices=2, strategy=strategy, logger=logger, callbacks=callbacks,
@@ -120,7 +132,9 @@ def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = F
     return {"losses": logger.values("train_loss"), "first_grads": capture.first_grads,
             "final_params": {key: value for key, value in capture.final_params.items() if ".lora_" in key},
             "changed": quantized.changed, "count": quantized.count, "local_bytes": quantized.local_bytes,
-            "local_numel": quantized.local_numel}
+            "local_numel": quantized.local_numel, "weight_bytes": capture.parameter_bytes,
+            "gradient_bytes": quantized.gradient_bytes, "optimizer_bytes": quantized.moment_bytes,
+            "dp_bytes": traffic.recorder.per_group().get("dp", {}).get("payload_bytes", 0) if traffic.recorder else 0}
 
 
 def run_world(world: int, directory: str) -> dict[str, Any]:
@@ -171,6 +185,28 @@ def test_qlora_matches_the_single_process_qlora_run(world_results, reference, na
     assert covered == reference["first_grads"].keys() and all(".lora_" in key for key in covered), name
     for rank, rank_result in enumerate(world_results[name]):
         assert rank_result["changed"] == [], (name, rank)  # the 4-bit base never moves
+
+
+@pytest.mark.parametrize("name", CONFIGURATIONS)
+def test_the_ledgers_count_what_each_rank_holds_and_sends(world_results, name):
+    """measured = ledger, to the byte, on every rank: the weights (the 4-bit projections' packed parts, FSDP's
+    shards of them, the dense embedding, norms, head and factors), gradients and Adam's moments of the
+    factors alone (`plan.ledger` with `qlora`), and the dp payload (FSDP2 gathers the NF4 parts as bytes;
+    `plan.communication`)."""
+    configuration = RUNS[2][name]
+    tp, pp = configuration["tp"], configuration["pp"]
+    layout = ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=2 // (tp * pp),
+                            num_microbatches=2)
+    options = TrainingOptions(seq_len=SEQ_LEN, precision="32-true", data_parallel_mode=configuration["mode"],
+                              lora_rank=4, lora_targets=tuple(TARGETS), qlora=TINY_NF4)
+    memory = training_ledger(ModelConfig(**SHAPE), layout, options)
+    traffic = communication_ledger(ModelConfig(**SHAPE), layout, options, backend="gloo")
+    for rank, rank_result in enumerate(world_results[name]):
+        stage = layout.coordinates(rank).pp
+        predicted = {kind: getattr(memory.stages[stage], kind)
+                     for kind in ("weight_bytes", "gradient_bytes", "optimizer_bytes")}
+        predicted["dp_bytes"] = traffic.totals(stage)["dp"]["payload_bytes"]
+        assert {kind: rank_result[kind] for kind in predicted} == predicted, (name, rank)
 
 
 def test_fsdp_shards_the_4_bit_weights_over_dp(world_results):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_tp3d import LayoutError, ModelConfig, ParallelLayout
 from lightning_tp3d.plan.config import MODEL_PRESETS
 from lightning_tp3d.plan.ledger import TrainingOptions, serving_ledger, serving_plan, training_ledger
+from lightning_tp3d.plan.qlora import NF4_FORMAT
 
 H, F, V, L = 4096, 11008, 102400, 30  # deepseek-llm-7b
 LAYER_7B = 4 * H * H + 3 * H * F + 2 * H  # q, k, v, o; gate, up, down; two norms
@@ -137,3 +140,40 @@ def test_zero1_divides_only_the_optimizer_state_by_dp():
     assert zero1.weight_bytes == replicate.weight_bytes and zero1.gradient_bytes == replicate.gradient_bytes
     assert zero1.optimizer_bytes == -(-replicate.parameters // 4) * 8  # AdamW's two fp32 moments, a quarter
     assert zero1.activation_bytes == replicate.activation_bytes and zero1.gathered_weight_bytes == 0
+
+
+QLORA_CONFIG = ModelConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                           num_key_value_heads=8, vocab_size=1000, max_position_embeddings=64)
+
+
+def test_a_qlora_base_costs_its_nf4_bytes_by_hand():
+    """QLoRA r 8 on q, v in bf16-true at the paper's blocks (64 x 256 = 16384 weights per factor). NF4 bytes
+    of an n-weight tensor: n / 2 + n / 64 + (n / 16384 + 17) x 2. A 512 x 512 projection: 131072 + 4096 + 66
+    = 135234, a 1024 x 512 one 270434; a block 4 x 135234 + 3 x 270434 = 1352238, its norms 2048 and factors
+    (2 x 8 x 1024 elements) 32768; embedding and head 1024000 each, the final norm 1024."""
+    options = TrainingOptions(seq_len=64, precision="bf16-true", lora_rank=8, lora_targets=("q_proj", "v_proj"),
+                              qlora=NF4_FORMAT)
+    stage = training_ledger(QLORA_CONFIG, ParallelLayout(), options).stages[0]
+    assert stage.weight_bytes == 2 * (1352238 + 2048 + 32768) + 2 * 1024000 + 1024
+    assert (stage.gradient_bytes, stage.optimizer_bytes) == (2 * 32768, 4 * 32768)
+    # FSDP over 2: each projection's shard is an NF4 tensor of n / 2 (a 512 x 512 one 65536 + 2048 + 50 bytes,
+    # a 1024 x 512 one 135234), the dense rest halved; each block gathered whole, two at a time
+    fsdp = training_ledger(QLORA_CONFIG, ParallelLayout(data_parallel_size=2),
+                           replace(options, data_parallel_mode="fsdp")).stages[0]
+    dense = (6302208 - 2 * 2621440) // 2  # the stage's elements, less the NF4 projections', on one rank
+    assert fsdp.weight_bytes == 2 * dense + 2 * (4 * 67634 + 3 * 135234)
+    assert fsdp.gathered_weight_bytes == 2 * (2 * (2638848 - 2621440) + 1352238)
+    assert (fsdp.gradient_bytes, fsdp.optimizer_bytes) == (32768, 2 * 32768)
+
+
+def test_a_qlora_plan_refuses_what_training_refuses():
+    options = TrainingOptions(seq_len=64, lora_rank=8, qlora=NF4_FORMAT)
+    with pytest.raises(LayoutError, match="tensor parallelism cannot split a 4-bit NF4 weight"):
+        training_ledger(QLORA_CONFIG, ParallelLayout(tensor_parallel_size=2), options)
+    with pytest.raises(LayoutError, match=r"self_attn.q_proj \(512 x 512, NF4\) cannot be sharded by FSDP over dp=64"):
+        training_ledger(QLORA_CONFIG, ParallelLayout(data_parallel_size=64), replace(options, data_parallel_mode="fsdp"))
+    with pytest.raises(ValueError, match="multiple of 16384 elements; pick smaller blocks"):
+        training_ledger(ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=4, vocab_size=100), ParallelLayout(), options)
+    with pytest.raises(ValueError, match="qlora needs lora_rank > 0"):
+        TrainingOptions(qlora=NF4_FORMAT)
