@@ -82,7 +82,9 @@ def nf4_format_of(tensor: torch.Tensor) -> NF4Format:
 
 def check_quantized_base(network: nn.Module, layout: ParallelLayout, sharded_over_dp: bool) -> None:
     """Refuse, before `network` is split, NF4 weights the layout cannot hold (the module docstring): tensor
-    parallelism, or FSDP2 shards (`sharded_over_dp`) that cut a scaler block."""
+    parallelism, or FSDP2 shards (`sharded_over_dp`) that cut a scaler block; and bitsandbytes' quantised
+    weights at any layout (`_refuse_bitsandbytes`)."""
+    _refuse_bitsandbytes(network)
     quantized = quantized_parameters(network)
     if not quantized:
         return
@@ -92,3 +94,20 @@ def check_quantized_base(network: nn.Module, layout: ParallelLayout, sharded_ove
     if sharded_over_dp:
         for name, parameter in quantized.items():
             nf4_format_of(parameter).check_shard(tuple(parameter.shape), layout.data_parallel_size, name)
+
+
+def _refuse_bitsandbytes(network: nn.Module) -> None:
+    """A bitsandbytes 4- or 8-bit weight (`Params4bit`, `Int8Params`: what `from_pretrained(...,
+    quantization_config=BitsAndBytesConfig(...))` loads) keeps its quantisation state outside the tensor:
+    FSDP2 and DTensor would move the packed bytes without it, and a checkpoint would write bytes no resume
+    can read. The same 4-bit NormalFloat base is torchao's NF4 (`models.qlora.quantize_base`)."""
+    for name, parameter in network.named_parameters():
+        kind = type(parameter)
+        if kind.__module__.split(".")[0] == "bitsandbytes":
+            raise ValueError(
+                f"{name} is a bitsandbytes {kind.__name__}, which this strategy cannot shard, split or checkpoint"
+                " (its quantisation state lives outside the tensor). Load the model unquantised (without"
+                " quantization_config) and call lightning_tp3d.models.qlora.quantize_base(model) after"
+                " get_peft_model: torchao's NF4, the QLoRA paper's 4-bit NormalFloat, trains under FSDP,"
+                " replicate, ZeRO-1 and pipelining."
+            )

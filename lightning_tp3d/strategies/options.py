@@ -122,7 +122,8 @@ class ParallelOptions:
     save_frozen_weights: bool = _option(
         True, "False: a checkpoint holds what trains (a LoRA model's adapters), its optimizer and loop state, and a"
         " fingerprint of the frozen weights instead of them; a resume rebuilds those (`from_pretrained`,"
-        " `pretrained=`, the same seeded init) and is refused if they differ (Trainer strategy).")
+        " `pretrained=`, the same seeded init) and is refused if they differ (Trainer strategy). A QLoRA"
+        " model's 4-bit base is always left out this way.")
     verify_checkpoints: bool = _option(
         True, "check every file of a checkpoint against the SHA-256 recorded when it was written before loading"
         " it (each rank hashes a share); False loads a damaged checkpoint unchecked.")
