@@ -49,30 +49,67 @@ def test_yaml_run_at_2x2x2_matches_single_process(config, tmp_path):
     assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-5
 
 
-def test_the_lora_recipe_fine_tunes_a_folder_and_exports_the_merged_model(tmp_path):
-    """`examples/finetune_lora.yaml` as a user runs it, on a tiny Hugging Face folder at tp 2 x pp 2 (4 CPU
-    processes): the LoRA factors train, and the merged export at the end is a plain `LlamaForCausalLM` whose
-    weights differ from the base's where LoRA adapted them and nowhere else."""
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _fine_tune(recipe: str, directory: Path, *overrides: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """`recipe` as a user runs it, its PATH/TO/HF-FOLDER the tiny Llama's folder (4 CPU processes, fp32, 4
+    steps): (the base, the merged model its ExportCallback wrote)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("peft")
     from tests.models.test_huggingface import hf_network
 
     base = hf_network("llama")
-    base.save_pretrained(tmp_path / "base")
-    overrides = ["--model.init_args.pretrained", str(tmp_path / "base"), "--trainer.accelerator", "cpu",
-                 "--trainer.precision", "32-true", "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
-                 "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false",
-                 "--trainer.logger", "false", "--tp3d.num_microbatches", "2", "--data.init_args.source", "tiny",
-                 "--data.init_args.seq_len", str(SEQ_LEN), "--data.init_args.batch_size", "4",
-                 "--data.init_args.val_fraction", "0.2", "--model.init_args.learning_rate", "0.01"]
-    process = subprocess.run([sys.executable, "-m", "lightning_tp3d.cli", "fit", "--config",
-                              str(EXAMPLES / "finetune_lora.yaml"), *overrides], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base.save_pretrained(directory / "base")
+    config = directory / recipe
+    config.write_text((EXAMPLES / recipe).read_text().replace("PATH/TO/HF-FOLDER", str(directory / "base")))
+    arguments = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.max_steps", "4",
+                 "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
+                 "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--tp3d.num_microbatches",
+                 "2", "--data.init_args.source", "tiny", "--data.init_args.seq_len", str(SEQ_LEN),
+                 "--data.init_args.batch_size", "4", "--data.init_args.val_fraction", "0.2",
+                 "--model.init_args.learning_rate", "0.01", *overrides]
+    process = subprocess.run([sys.executable, "-m", "lightning_tp3d.cli", "fit", "--config", str(config), *arguments],
+                             cwd=directory, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert process.returncode == 0, process.stderr[-4000:]
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "lora-merged")
+    (merged,) = directory.glob("export/*-merged")
+    return base, transformers.AutoModelForCausalLM.from_pretrained(merged)
+
+
+def _changed(merged: torch.nn.Module, expected: dict[str, torch.Tensor]) -> set[str]:
+    """The merged (bf16) weights that differ from `expected` rounded to bf16 the same way."""
+    return {name for name, value in merged.state_dict().items()
+            if not torch.equal(value.float(), expected[name].to(torch.bfloat16).float())}
+
+
+def test_the_lora_recipe_fine_tunes_a_folder_and_exports_the_merged_model(tmp_path):
+    """`examples/finetune_lora.yaml` on a tiny Hugging Face folder at tp 2 x pp 2: the LoRA factors train, and
+    the merged export at the end is a plain `LlamaForCausalLM` whose weights differ from the base's where
+    LoRA adapted them and nowhere else."""
+    base, merged = _fine_tune("finetune_lora.yaml", tmp_path)
     assert type(merged) is type(base)
-    changed = {name for name, value in merged.state_dict().items()
-               if not torch.equal(value.float(), base.state_dict()[name].to(torch.bfloat16).float())}
-    adapted = {name for name in base.state_dict() if any(f"{target}.weight" in name for target in
-                                                          ("q_proj", "k_proj", "v_proj", "o_proj"))}
-    assert changed == adapted  # bf16 export: compared with the base rounded the same way
+    adapted = {name for name in base.state_dict() if any(f"{target}.weight" in name for target in PROJECTIONS[:4])}
+    assert _changed(merged, base.state_dict()) == adapted
+
+
+def test_the_qlora_recipe_fine_tunes_a_4_bit_base_and_exports_it_merged_from_the_folder(tmp_path):
+    """`examples/finetune_qlora.yaml` at pp 2 x FSDP 2 (NF4 blocks small enough for the tiny model's 16 x 32
+    projections sharded over 2; LoRA on q alone, so that six projections are 4-bit and not adapted): the
+    merged export, built from the base folder, is a plain `LlamaForCausalLM` that equals dequant(quant(W))
+    on every projection LoRA did not adapt (the base as training held it, not the folder's W: each one
+    differs from W), the folder's weights where nothing is quantised, and moved where LoRA trained."""
+    pytest.importorskip("torchao")
+    from lightning_tp3d.parallel.nf4 import round_trip
+    from lightning_tp3d.plan.qlora import NF4Format
+
+    tiny = NF4Format(block_size=32, scaler_block_size=8)
+    base, merged = _fine_tune("finetune_qlora.yaml", tmp_path, "--model.init_args.nf4_block_size", "32",
+                              "--model.init_args.nf4_scaler_block_size", "8",
+                              "--model.init_args.target_modules", "[q_proj]")
+    assert type(merged) is type(base)
+    projections = {name for name in base.state_dict() if any(f"{target}.weight" in name for target in PROJECTIONS)}
+    held = {name: round_trip(value, tiny) if name in projections else value
+            for name, value in base.state_dict().items()}
+    assert _changed(merged, held) == {name for name in projections if "q_proj" in name}
+    assert _changed(merged, base.state_dict()) == projections
