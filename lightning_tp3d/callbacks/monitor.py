@@ -5,7 +5,9 @@ Lightning's `Throughput` turns per-device rates into global ones by multiplying 
 tp x pp only the data-parallel ranks see distinct samples (the tp x pp ranks of one replica share theirs),
 so samples and tokens per second are multiplied by dp here, while FLOPs are shared: each rank does
 1 / (tp x pp) of its replica's work, so per-rank FLOPs are the replica batch's FLOPs / (tp x pp) and the
-global FLOPs are that x world size. Model FLOPs per token come from `ledger.training_flops_per_token`.
+global FLOPs are that x world size. Model FLOPs per token come from `ledger.training_flops_per_token`;
+for a LoRA model (`models.lora.lora_shape`) they count 4 x each frozen weight (no weight gradient) and
+6 x the factors of the block projections it adapts.
 MFU is per-rank FLOPs/s over the device's peak (torch's table for GPUs and the precision, or
 `available_flops=`). With an MFU target (default 0.40 on GPUs, the design documents' bar) the monitor
 warns once when the MFU measured after the first full window is below it, naming the likely causes.
@@ -27,10 +29,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_tp3d._compat.lightning import log_metrics, should_update_logs
 from lightning_tp3d._compat.torch import loss_scale_tensor
+from lightning_tp3d.models.lora import lora_shape
 from lightning_tp3d.parallel.grad_norm import global_grad_norm
 from lightning_tp3d.parallel.mesh import mesh_device
 from lightning_tp3d.parallel.tensor import local_part
 from lightning_tp3d.plan.ledger import training_flops_per_token
+from lightning_tp3d.plan.lora import LORA_TARGETS
 from lightning_tp3d.plan.schedules import bubble_fraction
 
 __all__ = ["DEFAULT_MFU_TARGET", "TP3DThroughputMonitor", "local_storage_bytes"]
@@ -86,6 +90,7 @@ class TP3DThroughputMonitor(ThroughputMonitor):
         self._available_flops_override = available_flops
         self._model_parallel = 1
         self._config: Any = None
+        self._lora: tuple[int, tuple[str, ...]] = (0, ())
         self.mfu_target = mfu_target
         self.mfu_warning: str | None = None
 
@@ -105,6 +110,8 @@ class TP3DThroughputMonitor(ThroughputMonitor):
         stage = trainer.state.stage
         if self._config is None:  # the network exists once `configure_model` has run
             self._config = trainer.strategy.network.config
+            rank, targets = lora_shape(trainer.strategy.network)
+            self._lora = (rank, tuple(target for target in targets if target in LORA_TARGETS))
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._t0s[stage]
@@ -113,7 +120,9 @@ class TP3DThroughputMonitor(ThroughputMonitor):
         self._lengths[stage] += tokens
         self._samples[stage] += samples
         self._batches[stage] += 1
-        rank_flops = tokens * training_flops_per_token(self._config, sequence) / self._model_parallel
+        flops_per_token = training_flops_per_token(self._config, sequence, lora_rank=self._lora[0],
+                                                   lora_targets=self._lora[1])
+        rank_flops = tokens * flops_per_token / self._model_parallel
         self._throughputs[stage].update(time=elapsed, batches=self._batches[stage], samples=self._samples[stage],
                                         lengths=self._lengths[stage], flops=rank_flops)
 

@@ -47,7 +47,7 @@ from lightning_tp3d.parallel.attributes import find_attribute
 from lightning_tp3d.parallel.pipeline import PipelineStages, StageLoss
 from lightning_tp3d.parallel.tensor import TensorParallelPlan
 
-__all__ = ["PEFT_PREFIX", "PeftLoraAdapter", "PrefixedStages", "ReplicateParameters", "is_peft_model"]
+__all__ = ["PEFT_PREFIX", "PeftLoraAdapter", "PrefixedStages", "ReplicateParameters", "is_peft_model", "lora_shape"]
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel (`base_model`) -> the adapted model (`model`)
 
@@ -56,6 +56,19 @@ def is_peft_model(network: nn.Module) -> bool:
     """A `peft.PeftModel` (which it can only be if `peft` is already imported)."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(network, peft.PeftModel)
+
+
+def lora_shape(network: nn.Module) -> tuple[int, tuple[str, ...]]:
+    """(rank, targets) of the LoRA layers this rank holds, for the FLOPs formula (`plan.ledger`): the largest
+    r and the layers' own names (`q_proj`, ...), or (0, ()) without LoRA. A DTensor factor keeps r in its
+    global shape whatever tp splits."""
+    ranks, targets = set(), set()
+    for name, module in network.named_modules():
+        factors = getattr(module, "lora_A", None)
+        if isinstance(factors, nn.ModuleDict) and len(factors):
+            ranks.update(factor.weight.shape[0] for factor in factors.values())
+            targets.add(name.rpartition(".")[2])
+    return max(ranks, default=0), tuple(sorted(targets))
 
 
 class ReplicateParameters(ParallelStyle):

@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_tp3d import MODEL_PRESETS, TP3DStrategy
+from lightning_tp3d import MODEL_PRESETS, ModelConfig, TP3DStrategy
 from lightning_tp3d.callbacks.monitor import TP3DThroughputMonitor
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
@@ -40,7 +40,21 @@ def run_world() -> dict[str, Any]:
                     TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=PER_RANK_BATCH, val_fraction=0.2))
         results[f"tp{tp}-pp{pp}"] = logger.records
         results[f"tp{tp}-pp{pp}-mfu-warning"] = monitor.mfu_warning
+    results["lora-tp2-pp1"] = _lora_records()
     return results
+
+
+def _lora_records() -> list:
+    """The PEFT LoRA model of the LoRA tests at (2, 1, 2): what its monitor logs."""
+    from tests.models.test_lora import LoraModule
+
+    logger = MemoryLogger()
+    trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=TP3DStrategy(tensor_parallel_size=2),
+                                         max_steps=STEPS, logger=logger,
+                                         callbacks=[TP3DThroughputMonitor(window_size=2, available_flops=PEAK_FLOPS)]))
+    trainer.fit(LoraModule(), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=PER_RANK_BATCH,
+                                              val_fraction=0.2))
+    return logger.records
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +83,21 @@ def test_rates_count_each_sample_once_and_flops_per_rank(records, name, model_pa
     assert _last(logged, "train/flops_per_sec") == pytest.approx(world * device_flops)
     assert _last(logged, "train/device/mfu") == pytest.approx(device_flops / PEAK_FLOPS)
     assert _last(logged, "train/device/peak_memory_bytes") > 0
+
+
+def test_a_lora_model_counts_no_weight_gradient_for_its_frozen_base(records):
+    """4 x each frozen weight (forward and input gradient) + 6 x the factors (r 4 on every projection):
+    `training_flops_per_token` with the LoRA options, below the full fine-tune's 6 x every weight."""
+    pytest.importorskip("peft")
+    from tests.models.test_huggingface import SHAPE
+    from tests.models.test_lora import TARGETS
+
+    config = ModelConfig(**SHAPE)
+    logged = records[0]["lora-tp2-pp1"]
+    lora = training_flops_per_token(config, SEQ_LEN, lora_rank=4, lora_targets=tuple(TARGETS))
+    assert lora < training_flops_per_token(config, SEQ_LEN)
+    device_flops = _last(logged, "train/device/flops_per_sec")
+    assert device_flops == pytest.approx(_last(logged, "train/device/items_per_sec") * lora / 2)
 
 
 def test_flops_per_token_by_hand():
