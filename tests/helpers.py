@@ -94,6 +94,19 @@ class CaptureGradients(Callback):
         self.final_params = named_full(pl_module, "data", self.prefix)
 
 
+# bf16-mixed parity, per gradient tensor: ||g - g_ref|| / ||g_ref|| against the single-process bf16 autocast
+# run. bf16 rounds each matmul output to 2^-9 relative; a layout changes which sums are rounded where (micro-
+# batches, dp halves reduced in fp32), so a gradient moves by a few of those roundings, ~1e-3 in norm. The
+# fp32 run's gradients differ from the bf16 run's by more than 5e-3 (each parity test asserts it), so the
+# bound rejects a run that silently trained in fp32.
+BF16_MIXED_GRADIENT_TOLERANCE = 5e-3
+
+
+def worst_relative_difference(tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """max over `tensors` of ||t - t_ref|| / ||t_ref||."""
+    return max(((tensors[name] - reference[name]).norm() / reference[name].norm()).item() for name in tensors)
+
+
 def assert_adam_weights_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     """Weights after several AdamW steps from the same start, parallel against single-process.
 

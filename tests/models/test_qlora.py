@@ -1,10 +1,12 @@
 """QLoRA (`models/qlora.py`): the PEFT LoRA model of the LoRA tests with its base's block projections held in
-4-bit NF4 (torchao), trained at (1, 1, 2) FSDP (the 4-bit weights sharded) and (1, 2, 1) 1F1B, against the
-same quantised model trained by one process: 5 steps of losses and every LoRA gradient before the first
-update (fp32, rtol 1e-5: the quantised weights are the same bytes in both, dequantised by the same
-kernel, so the bound is the LoRA parity suite's summation-order one). Each rank's weight, gradient and
-optimizer bytes and its dp traffic are the ledgers' to the byte. Checkpoints of a quantised base hold
-what trains and resume at another layout; the merged export from the base folder is the trained model.
+4-bit NF4 (torchao), trained at (1, 1, 2) FSDP (the 4-bit weights sharded), (1, 1, 2) ZeRO-1 and (1, 2, 1)
+with 1F1B, interleaved 1F1B and DualPipeV (FSDP), against the same quantised model trained by one process:
+5 steps of losses and every LoRA gradient before the first update (fp32, rtol 1e-5: the quantised weights
+are the same bytes in both, dequantised by the same kernel, so the bound is the LoRA parity suite's
+summation-order one), and at (1, 1, 2) FSDP in bf16-mixed against the one-process bf16 run. Each rank's
+weight, gradient and optimizer bytes and its dp traffic are the ledgers' to the byte. Checkpoints of a
+quantised base hold what trains and resume at another layout; the merged export from the base folder is
+the trained model.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from lightning_tp3d.plan.ledger import TrainingOptions, training_ledger
 from lightning_tp3d.plan.qlora import NF4Format, nf4_bytes
 from tests.distributed import results_by_name
 from tests.helpers import (
+    BF16_MIXED_GRADIENT_TOLERANCE,
     SEQ_LEN,
     CaptureGradients,
     MemoryLogger,
@@ -41,6 +44,7 @@ from tests.helpers import (
     full_tensor,
     reference_run,
     trainer_kwargs,
+    worst_relative_difference,
 )
 from tests.models.test_huggingface import SHAPE, hf_loss, hf_network
 from tests.models.test_lora import TARGETS, LoraModule, lora_network
@@ -106,23 +110,28 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {2: {
     "qlora-tp1-pp1-dp2-fsdp": dict(tp=1, pp=1, mode="fsdp", save=True),
     "qlora-tp1-pp2-dp1-1f1b": dict(tp=1, pp=2, mode="replicate"),
     "qlora-tp1-pp1-dp2-zero1": dict(tp=1, pp=1, mode="zero1"),
+    "qlora-tp1-pp2-dp1-interleaved-1f1b": dict(tp=1, pp=2, mode="replicate", schedule="interleaved_1f1b"),
+    "qlora-tp1-pp2-dp1-dualpipev-fsdp": dict(tp=1, pp=2, mode="fsdp", schedule="dualpipev", num_microbatches=4),
+    "qlora-tp1-pp1-dp2-fsdp-bf16-mixed": dict(tp=1, pp=1, mode="fsdp", precision="bf16-mixed"),
     "qlora-resumed-tp1-pp2-dp1": dict(tp=1, pp=2, mode="fsdp", resume="qlora-tp1-pp1-dp2-fsdp"),
     "qlora-tp2-refused": dict(tp=2, pp=1, mode="replicate"),
 }}
-CONFIGURATIONS = ["qlora-tp1-pp1-dp2-fsdp", "qlora-tp1-pp2-dp1-1f1b", "qlora-tp1-pp1-dp2-zero1"]
+CONFIGURATIONS = ["qlora-tp1-pp1-dp2-fsdp", "qlora-tp1-pp2-dp1-1f1b", "qlora-tp1-pp1-dp2-zero1",
+                  "qlora-tp1-pp2-dp1-interleaved-1f1b", "qlora-tp1-pp2-dp1-dualpipev-fsdp"]
 
 
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = False,
-         resume: str | None = None) -> dict[str, Any]:
+         resume: str | None = None, schedule: str = "1f1b", num_microbatches: int = 2,
+         precision: str = "32-true") -> dict[str, Any]:
     dp = 2 // (tp * pp)
     logger, capture, quantized, traffic = MemoryLogger(), CaptureGradients(), QuantizedWeights(), RecordTraffic()
-    strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
-                            data_parallel_mode=mode)
+    strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=num_microbatches,
+                            data_parallel_mode=mode, pipeline_schedule=schedule)
     callbacks: list[Callback] = [capture, quantized, traffic]
     if save:
         callbacks.append(ModelCheckpoint(dirpath=directory, filename=name, every_n_train_steps=STEPS))
     trainer = L.Trainer(**trainer_kwargs(devices=2, strategy=strategy, logger=logger, callbacks=callbacks,
-                                         enable_checkpointing=save,
+                                         enable_checkpointing=save, precision=precision,
                                          max_steps=STEPS + RESUMED_STEPS if resume else STEPS))
     data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2)
     try:
@@ -187,7 +196,7 @@ def test_qlora_matches_the_single_process_qlora_run(world_results, reference, na
         assert rank_result["changed"] == [], (name, rank)  # the 4-bit base never moves
 
 
-@pytest.mark.parametrize("name", CONFIGURATIONS)
+@pytest.mark.parametrize("name", CONFIGURATIONS[:3])  # the ledgers' schedules: 1F1B and GPipe
 def test_the_ledgers_count_what_each_rank_holds_and_sends(world_results, name):
     """measured = ledger, to the byte, on every rank: the weights (the 4-bit projections' packed parts, FSDP's
     shards of them, the dense embedding, norms, head and factors), gradients and Adam's moments of the
@@ -207,6 +216,20 @@ def test_the_ledgers_count_what_each_rank_holds_and_sends(world_results, name):
                      for kind in ("weight_bytes", "gradient_bytes", "optimizer_bytes")}
         predicted["dp_bytes"] = traffic.totals(stage)["dp"]["payload_bytes"]
         assert {kind: rank_result[kind] for kind in predicted} == predicted, (name, rank)
+
+
+def test_qlora_in_bf16_mixed_matches_the_single_process_bf16_run(world_results):
+    """At (1, 1, 2) FSDP in bf16-mixed every LoRA gradient of the first step is within
+    `BF16_MIXED_GRADIENT_TOLERANCE` of the one-process bf16 autocast QLoRA run's, which the fp32 run exceeds."""
+    bf16 = reference_run(1, GLOBAL_BATCH, build_network=qlora_network, loss_of=hf_loss, autocast_dtype=torch.bfloat16)
+    fp32 = reference_run(1, GLOBAL_BATCH, build_network=qlora_network, loss_of=hf_loss)
+    assert worst_relative_difference(fp32["first_grads"], bf16["first_grads"]) > BF16_MIXED_GRADIENT_TOLERANCE
+    results = world_results["qlora-tp1-pp1-dp2-fsdp-bf16-mixed"]
+    for rank, rank_result in enumerate(results):
+        assert rank_result["first_grads"].keys() == bf16["first_grads"].keys(), rank
+        assert worst_relative_difference(rank_result["first_grads"], bf16["first_grads"]) <= \
+            BF16_MIXED_GRADIENT_TOLERANCE, rank
+        assert rank_result["changed"] == [], rank
 
 
 def test_fsdp_shards_the_4_bit_weights_over_dp(world_results):

@@ -171,7 +171,8 @@ def test_a_qlora_plan_refuses_what_training_refuses():
     with pytest.raises(LayoutError, match="tensor parallelism cannot split a 4-bit NF4 weight"):
         training_ledger(QLORA_CONFIG, ParallelLayout(tensor_parallel_size=2), options)
     with pytest.raises(LayoutError, match=r"self_attn.q_proj \(512 x 512, NF4\) cannot be sharded by FSDP over dp=64"):
-        training_ledger(QLORA_CONFIG, ParallelLayout(data_parallel_size=64), replace(options, data_parallel_mode="fsdp"))
+        training_ledger(QLORA_CONFIG, ParallelLayout(data_parallel_size=64),
+                        replace(options, data_parallel_mode="fsdp"))
     with pytest.raises(ValueError, match="multiple of 16384 elements; pick smaller blocks"):
         training_ledger(ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=4, vocab_size=100), ParallelLayout(), options)
