@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import itertools
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,7 +48,8 @@ from lightning_tp3d.parallel.attributes import find_attribute
 from lightning_tp3d.parallel.pipeline import PipelineStages, StageLoss
 from lightning_tp3d.parallel.tensor import TensorParallelPlan
 
-__all__ = ["PEFT_PREFIX", "PeftLoraAdapter", "PrefixedStages", "ReplicateParameters", "is_peft_model", "lora_shape"]
+__all__ = ["PEFT_PREFIX", "PeftLoraAdapter", "PrefixedStages", "ReplicateParameters", "check_peft_construction",
+           "is_peft_model", "lora_shape"]
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel (`base_model`) -> the adapted model (`model`)
 
@@ -56,6 +58,24 @@ def is_peft_model(network: nn.Module) -> bool:
     """A `peft.PeftModel` (which it can only be if `peft` is already imported)."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(network, peft.PeftModel)
+
+
+def check_peft_construction(network: nn.Module, pretrained: Any | None) -> None:
+    """Refuse the two ways of building a PEFT model that would start it from the wrong weights: on the meta
+    device (materialising re-initialises every `nn.Linear` by its own rule, B included, where PEFT starts B
+    at 0 so that the model starts as its base), and with the strategy's `pretrained=` (which fills Hugging
+    Face names; a PEFT model's base comes from `from_pretrained` before `get_peft_model`)."""
+    if not is_peft_model(network):
+        return
+    how = ("build the base with transformers.AutoModelForCausalLM.from_pretrained(folder) and wrap it with"
+           " get_peft_model (in __init__ or configure_model, as lightning_tp3d.models.lora_module."
+           "LoraCausalLMModule does)")
+    if any(tensor.is_meta for tensor in itertools.chain(network.parameters(), network.buffers())):
+        raise ValueError(f"The PEFT model was built on the meta device, where its LoRA factors would be re-initialised"
+                         f" without PEFT's rule (B = 0): {how}, outside the meta device (empty_init=False).")
+    if pretrained is not None:
+        raise ValueError(f"pretrained={str(pretrained)!r} fills a network that uses Hugging Face names, not a PEFT"
+                         f" model: {how}, and drop pretrained=.")
 
 
 def lora_shape(network: nn.Module) -> tuple[int, tuple[str, ...]]:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp3d.models.adapter import ModelAdapter
+from lightning_tp3d.models.lora import check_peft_construction
 from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.data_parallel import DataParallel
 from lightning_tp3d.parallel.materialize import materialize_network
@@ -51,6 +52,7 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
     `loss_scale()` is what the pipeline schedule multiplies the loss by before its backward (fp16 scale /
     accumulation). Returns the pipeline runner and the gradient hand-over (None, None without pipelining)."""
     check_quantized_base(network, layout, sharded_over_dp=data_parallel.plan.parameter_shards > 1)
+    check_peft_construction(network, options.pretrained)
     tp_plan = adapter.tp_plan()
     if layout.tensor_parallel_size > 1:
         check_plan_matches(network, tp_plan, adapter.name)

@@ -322,3 +322,18 @@ def test_the_train_vs_deploy_check_compares_the_live_lora_model_with_its_merged_
     report = world_results["lora-tp2-pp2-dp2-1f1b-replicate"][0]["consistency"]
     assert report["passed"] and report["max_abs_diff"] <= 1e-5, report
     assert len(report["layer_max_abs_diff"]) == SHAPE["num_hidden_layers"]  # every stage's layers compared
+
+
+def test_a_peft_model_built_on_meta_or_with_pretrained_is_refused_with_the_way_to_build_it(tmp_path):
+    """Both would start the fine-tune off its base: materialising re-initialises B (PEFT starts it at 0), and
+    `pretrained=` fills Hugging Face names, not the PEFT model's."""
+    from lightning_tp3d.models.lora import check_peft_construction
+
+    check_peft_construction(lora_network(), None)  # as a project builds it
+    check_peft_construction(hf_network("llama"), tmp_path)  # not PEFT: pretrained= fills it
+    with pytest.raises(ValueError, match=r"pretrained=.*from_pretrained\(folder\) and wrap it with get_peft_model"):
+        check_peft_construction(lora_network(), tmp_path)
+    with torch.device("meta"):
+        on_meta = lora_network()
+    with pytest.raises(ValueError, match=r"built on the meta device.*\(B = 0\).*empty_init=False"):
+        check_peft_construction(on_meta, None)
