@@ -100,6 +100,11 @@ class CaptureGradients(Callback):
 # fp32 run's gradients differ from the bf16 run's by more than 5e-3 (each parity test asserts it), so the
 # bound rejects a run that silently trained in fp32.
 BF16_MIXED_GRADIENT_TOLERANCE = 5e-3
+# LoRA factors' gradients are products through the small factors (A x, then B^T g): each carries the
+# roundings of two more bf16 matmuls, and the factors of r = 4 sum few terms, so the same few re-roundings
+# weigh about twice as much. The fp32 run's factor gradients differ from the bf16 run's by 2-3% at the
+# median and 7-10% at the worst tensor on the tiny model (asserted > the bound in each test).
+BF16_MIXED_LORA_GRADIENT_TOLERANCE = 1e-2
 
 
 def worst_relative_difference(tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
