@@ -207,6 +207,14 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
         "full": s * b * config.hidden_size,
         "selective": full_layer - s * b * (config.hidden_size + config.num_attention_heads) // tp,
     }[options.recompute]
+    # a QLoRA block's 4-bit projections: (elements, bytes) held on this rank and gathered by FSDP
+    held, whole = ((quantized_layer(config, shard, weight, options.qlora),
+                    quantized_layer(config, 1, weight, options.qlora)) if options.qlora else ((0, 0), (0, 0)))
+
+    def weight_bytes(elements: int, blocks: int, nf4: tuple[int, int]) -> int:
+        """Bytes of `elements` parameters of which `blocks` blocks' projections are NF4 (`nf4` each)."""
+        return (elements - blocks * nf4[0]) * weight + blocks * nf4[1]
+
     stages = []
     for stage, layers in enumerate(layout.stage_layer_ranges(config.num_hidden_layers)):
         first, last = stage == 0, stage == pp - 1
@@ -228,13 +236,6 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
         trainable = len(layers) * lora_layer if options.lora_rank else parameters
         local, trainable_local = -(-parameters // shard), -(-trainable // shard)
         optimizer_local = -(-trainable // data_parallel.optimizer_shards)
-        # a QLoRA block's 4-bit projections: (elements, bytes) held on this rank and gathered by FSDP
-        held, whole = ((quantized_layer(config, shard, weight, options.qlora),
-                        quantized_layer(config, 1, weight, options.qlora)) if options.qlora else ((0, 0), (0, 0)))
-
-        def weight_bytes(elements: int, blocks: int, nf4: tuple[int, int]) -> int:
-            return (elements - blocks * nf4[0]) * weight + blocks * nf4[1]
-
         gathered = 0
         if shard > 1:
             gathered = (2 * weight_bytes(layer_parameters_per_rank(config, tp) + lora_layer, 1, whole)
