@@ -34,6 +34,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as local_shape_and_global_offset
 
 __all__ = [
+    "FLIGHT_RECORDER_VARIABLES",
     "TORCH_VERSION",
     "AsyncCollectiveTensor",
     "all_gather_single",
@@ -50,6 +51,11 @@ __all__ = [
 ]
 
 TORCH_VERSION = version("torch")
+
+# The flight recorders' buffer size: torch 2.13 reads TORCH_FR_BUFFER_SIZE for gloo and NCCL alike and warns
+# that NCCL's older name, TORCH_NCCL_TRACE_BUFFER_SIZE, is deprecated; before 2.13 NCCL reads only that name.
+FLIGHT_RECORDER_VARIABLES = (("TORCH_FR_BUFFER_SIZE",) if tuple(map(int, TORCH_VERSION.split(".")[:2])) >= (2, 13)
+                             else ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"))
 
 # torch 2.13 names them `*_single` (the `*_tensor` names warn there); older versions only have those.
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)

@@ -28,12 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from lightning_tp3d.cli.plan import SERVING_DTYPE, plan_parser
 from lightning_tp3d.io.checkpoint_format import CheckpointError
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.units import parse_size
+from lightning_tp3d.strategies.features import UnsupportedFeatureError
 
 __all__ = ["main"]
 
@@ -97,13 +100,14 @@ def _check_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from lightning_tp3d.diagnostics import consistency
     from lightning_tp3d.io.checkpoint_format import read_meta
     from lightning_tp3d.io.hf import EXPORT_DTYPES
 
     export = Path(args.export)
+    if not (export / "config.json").is_file():
+        raise FileNotFoundError(f"{export} is not a Hugging Face folder (no config.json in it); write one with"
+                                " `tp3d export CHECKPOINT OUTPUT`.")
     config = json.loads((export / "config.json").read_text())
     dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype_name, "fp32")
@@ -212,8 +216,6 @@ def _run_doctor(args: argparse.Namespace) -> int:
                                             ("inter_node", args.floor_inter_node)) if value is not None}
     log = None
     if args.nccl_log is not None:
-        from pathlib import Path
-
         log = Path(args.nccl_log).read_text(errors="replace")
     report = run_doctor(layout, mesh, [parse_size(size) for size in args.sizes], args.iterations,
                         floors_gbps=floors, nccl_log=log)
@@ -222,7 +224,20 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-_LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_LIGHTNING_SUBCOMMANDS = {"fit": "train a model (LightningCLI: tp3d fit --config run.yaml; tp3d fit --help)",
+                          "validate": "run the validation loop (LightningCLI)",
+                          "test": "run the test loop (LightningCLI)",
+                          "predict": "run the prediction loop (LightningCLI)"}
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def _raised_here(error: BaseException) -> bool:
+    """Whether `error` is this package's own refusal (a layout, option, feature or checkpoint error), not one
+    raised in a user's module or a library, whose traceback the user needs."""
+    if isinstance(error, (LayoutError, CheckpointError, UnsupportedFeatureError)):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, ValueError) and bool(frames) and Path(frames[-1].filename).is_relative_to(_PACKAGE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -230,9 +245,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _LIGHTNING_SUBCOMMANDS:
         from lightning_tp3d.cli.lightning import run_lightning_cli
 
-        return run_lightning_cli(argv)
+        try:
+            return run_lightning_cli(argv)
+        except (ValueError, CheckpointError) as error:
+            if not _raised_here(error):
+                raise
+            print(f"tp3d {argv[0]}: error: {error}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="tp3d", description="3-D parallel training for Lightning")
     subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, description in _LIGHTNING_SUBCOMMANDS.items():  # listed here, run by LightningCLI above
+        subparsers.add_parser(name, help=description, add_help=False)
     plan_parser(subparsers)
     _export_parser(subparsers)
     _check_parser(subparsers)
@@ -244,4 +267,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (LayoutError, ValueError, FileNotFoundError, FileExistsError, KeyError, CheckpointError) as error:
         print(f"tp3d {args.command}: error: {error}", file=sys.stderr)
         return 2
-

@@ -17,6 +17,7 @@ The registered name alone (`strategy: tp3d`) takes its arguments from the top-le
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,8 @@ class TP3DLightningCLI(LightningCLI):
 
 
 def run_lightning_cli(args: Sequence[str]) -> int:
+    """LightningCLI on `args` (the subcommand first); the process's own command line is left for it to read,
+    which it does without warning that `args=` is meant for calls from Python."""
     TP3DLightningCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                     args=list(args), save_config_kwargs={"overwrite": True})
+                     args=None if list(args) == sys.argv[1:] else list(args), save_config_kwargs={"overwrite": True})
     return 0

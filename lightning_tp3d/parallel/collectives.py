@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tp3d._compat.torch import process_group_options, recorded_collectives
+from lightning_tp3d._compat.torch import FLIGHT_RECORDER_VARIABLES, process_group_options, recorded_collectives
 
 __all__ = [
     "CollectiveTimeoutError",
@@ -51,9 +51,10 @@ class CollectiveTimeoutError(RuntimeError):
 
 def enable_collective_recording() -> None:
     """Turn on torch's flight recorders (gloo's and NCCL's) for the groups created afterwards, and NCCL's
-    dump on a watchdog timeout, unless the user configured them."""
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", _RECORDED_COLLECTIVES)
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", _RECORDED_COLLECTIVES)
+    dump on a watchdog timeout, unless the user configured them (a buffer size under either name). Only the
+    names this torch reads undeprecated are set (`FLIGHT_RECORDER_VARIABLES`)."""
+    if not any(name in os.environ for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        os.environ.update(dict.fromkeys(FLIGHT_RECORDER_VARIABLES, _RECORDED_COLLECTIVES))
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/tp3d_nccl_trace_rank_")
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from lightning_tp3d.cli import main
+from lightning_tp3d.plan.layout import ParallelLayout
 
 
 def test_plan_deepseek_7b_json(capsys):
@@ -129,3 +130,38 @@ def test_plan_counts_a_qlora_base_in_4_bit_and_the_advisor_keeps_to_tp_1(capsys)
     assert "tensor parallelism cannot split a 4-bit NF4 weight" in capsys.readouterr().err
     assert main(["plan", "deepseek-llm-7b", "--qlora"]) == 2
     assert "--qlora needs --lora-rank R" in capsys.readouterr().err
+
+
+def test_help_lists_every_sub_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    usage = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "predict", "plan", "export", "check", "verify", "doctor"):
+        assert f"\n    {command} " in usage, command
+
+
+def test_check_of_a_folder_without_config_says_what_it_needs(tmp_path, capsys):
+    assert main(["check", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.strip() == (f"tp3d check: error: {tmp_path / 'missing'} is not a Hugging Face"
+                                               " folder (no config.json in it); write one with `tp3d export"
+                                               " CHECKPOINT OUTPUT`.")
+
+
+def test_only_the_package_s_own_refusals_become_one_line_errors():
+    """`tp3d fit` prints this package's refusals (layout, options, features, checkpoints) as one line; an
+    error raised in a user's module or a library keeps its traceback."""
+    from lightning_tp3d.cli import _raised_here
+    from lightning_tp3d.plan.units import parse_size
+
+    def raised(function) -> BaseException:
+        try:
+            function()
+        except Exception as error:  # noqa: BLE001 - the error itself is under test
+            return error
+        raise AssertionError("nothing raised")
+
+    assert _raised_here(raised(lambda: ParallelLayout.resolve(world_size=3, tensor_parallel_size=2)))
+    assert _raised_here(raised(lambda: parse_size("lots")))
+    assert not _raised_here(raised(lambda: int("user code")))  # raised in the standard library, for a user
+    assert not _raised_here(raised(lambda: (_ for _ in ()).throw(ValueError("a user's module"))))

@@ -70,13 +70,21 @@ def test_other_errors_are_not_renamed():
 
 
 def test_recording_turns_on_both_flight_recorders_and_the_nccl_timeout_dump_without_overriding(monkeypatch):
+    from lightning_tp3d._compat.torch import FLIGHT_RECORDER_VARIABLES
     from lightning_tp3d.parallel.collectives import enable_collective_recording
 
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                  "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's choice stays
     enable_collective_recording()
-    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000" and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    assert {name: os.environ.get(name) for name in FLIGHT_RECORDER_VARIABLES} == dict.fromkeys(
+        FLIGHT_RECORDER_VARIABLES, "2000")
+    # the deprecated name is set only where NCCL reads nothing else (before torch 2.13)
+    old_name = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    assert (old_name in os.environ) == (old_name in FLIGHT_RECORDER_VARIABLES)
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/tmp/tp3d_nccl_trace_rank_"
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's choice, under the old name, stays
+    enable_collective_recording()
+    assert "TORCH_FR_BUFFER_SIZE" not in os.environ and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
