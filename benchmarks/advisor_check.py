@@ -126,8 +126,8 @@ def main() -> None:
     candidates.sort(key=lambda candidate: (  # the calibration layout, (1, 1, d) replicate without recompute, first
         (candidate.data_parallel_size, candidate.data_parallel_mode, candidate.recompute) != (args.gpus, "replicate",
                                                                                               "none"),
-        candidate.tensor_parallel_size, candidate.pipeline_parallel_size, candidate.data_parallel_label,
-        candidate.recompute))
+        candidate.tensor_parallel_size, candidate.pipeline_parallel_size, candidate.data_parallel_mode,
+        bool(candidate.fsdp_reshard_after_forward), candidate.recompute))
     measured = [_measure(candidate, args.gpus, args.steps) for candidate in candidates]
     if torch.distributed.get_rank() != 0:
         return

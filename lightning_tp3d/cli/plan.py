@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from dataclasses import asdict
 
 from lightning_tp3d.plan.advisor import Cluster, advise
@@ -96,10 +97,13 @@ def plan_parser(subparsers: argparse._SubParsersAction) -> None:
     advisor = plan.add_argument_group("layout advisor (--gpus)")
     advisor.add_argument("--gpus", type=int, default=None,
                          help="rank every layout of this many GPUs (with --gpu-memory, --gpus-per-node)")
-    advisor.add_argument("--global-batch-size", type=int, default=512, help="sequences per step (default 512)")
+    advisor.add_argument("--global-batch-size", type=int, default=None, metavar="B",
+                         help="sequences per optimizer step, over all dp ranks (required: the batch of your run)")
     advisor.add_argument("--gpu-tflops", type=float, default=989.0, help="dense peak of one GPU (default 989)")
     advisor.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
     advisor.add_argument("--top", type=int, default=8, help="layouts to print (default 8)")
+    advisor.add_argument("--wide", action="store_true",
+                         help="also print each layout's compute, bubble and exposed tp / pp / dp seconds")
     plan.set_defaults(run=_run_plan)
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
@@ -164,34 +168,50 @@ def _communication_lines(ledger: CommunicationLedger, bandwidth: dict[str, float
     return lines
 
 
+_ADVISOR_LEGEND = (
+    "m: micro-batches per pipeline pass; k: gradient-accumulation steps; reshard: FSDP frees a block's gathered"
+    " weights after its forward (fsdp_reshard_after_forward); GiB: the fullest rank's memory (the ledger); step s:"
+    " predicted seconds per step = compute + bubble + communication overlap cannot hide (--wide shows each);"
+    " why: how much slower than #1 and the columns that differ from it (--wide: also the part of the step that"
+    " grows most, and #1's costs beyond compute) (lightning_tp3d.plan.advisor)"
+)
+
+
 def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
+    if args.global_batch_size is None:
+        raise ValueError("the advisor needs --global-batch-size B: the sequences of one optimizer step over all dp"
+                         " ranks (per-rank batch_size x dp x accumulate_grad_batches in your run).")
     cluster = Cluster(args.gpus, parse_size(args.gpu_memory), args.gpus_per_node or _GPUS_PER_NODE,
                       args.gpu_tflops, args.mfu, group_gbps=_given_bandwidths(args))
     candidates = advise(config, cluster, args.global_batch_size, args.seq_len, args.precision, args.micro_batch_size,
                         args.lora_rank, tuple(args.lora_targets), _qlora(args))
     fitting = [candidate for candidate in candidates if candidate.fits]
     if args.json:
-        print(json.dumps([asdict(candidate) | {"step_seconds": candidate.step_seconds} for candidate in candidates],
-                         indent=2))
+        print(json.dumps([asdict(candidate) | {"step_seconds": candidate.step_seconds, "reshard": candidate.reshards,
+                                               "why": candidate.compared_with(fitting[0]) if candidate.fits else None}
+                          for candidate in candidates], indent=2))
         return 0 if fitting else 1
     print(f"{args.model} on {args.gpus} GPUs of {cluster.gpu_memory_bytes / _GIB:.0f} GiB"
-          f" ({cluster.gpus_per_node} per node), global batch {args.global_batch_size} x {args.seq_len} tokens,"
-          f" {args.precision}{_lora_words(args)}, {args.gpu_tflops:g} TFLOPS at MFU {args.mfu}:"
-          f" {len(candidates)} layouts, {len(fitting)} fit in {cluster.usable_fraction:.0%} of the memory")
+          f" ({cluster.gpus_per_node} per node), global batch {args.global_batch_size} x {args.seq_len} tokens")
+    print(f"{args.precision}{_lora_words(args)}, {args.gpu_tflops:g} TFLOPS at MFU {args.mfu}: {len(candidates)}"
+          f" layouts, {len(fitting)} fit in {cluster.usable_fraction:.0%} of the memory")
     if not fitting:
         print("no layout fits: add GPUs, use fsdp or recompute, or a shorter sequence")
         return 1
-    print(f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>3} {'dp mode':>12} {'recompute':>9} {'m':>4} {'k':>4} {'GiB':>6}"
-          f" {'compute':>8} {'bubble':>7} {'tp':>6} {'pp':>6} {'dp':>6} {'step s':>7}  why")
+    wide = f" {'compute':>8} {'bubble':>7} {'tp':>6} {'pp':>6} {'dp':>6}" if args.wide else ""
+    print(f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>3} {'dp mode':>9} {'reshard':>7} {'recompute':>9} {'m':>4} {'k':>3}"
+          f" {'GiB':>6}{wide} {'step s':>7}  why (vs #1)")
     for index, candidate in enumerate(fitting[: args.top], 1):
         exposed = candidate.exposed_seconds
+        times = (f" {candidate.compute_seconds:>8.3f} {candidate.bubble_seconds:>7.3f} {exposed['tp']:>6.3f}"
+                 f" {exposed['pp']:>6.3f} {exposed['dp']:>6.3f}") if args.wide else ""
+        reshard = {None: "-", True: "yes", False: "no"}[candidate.reshards]
         print(f"{index:>2} {candidate.tensor_parallel_size:>3} {candidate.pipeline_parallel_size:>3}"
-              f" {candidate.data_parallel_size:>3} {candidate.data_parallel_label:>12} {candidate.recompute:>9}"
-              f" {candidate.num_microbatches:>4} {candidate.gradient_accumulation_steps:>4}"
-              f" {candidate.peak_bytes / _GIB:>6.1f} {candidate.compute_seconds:>8.3f} {candidate.bubble_seconds:>7.3f}"
-              f" {exposed['tp']:>6.3f} {exposed['pp']:>6.3f} {exposed['dp']:>6.3f} {candidate.step_seconds:>7.3f}"
-              f"  {candidate.compared_with(fitting[0])}")
-    print("seconds per step; tp / pp / dp: communication overlap cannot hide (lightning_tp3d.plan.advisor)")
+              f" {candidate.data_parallel_size:>3} {candidate.data_parallel_mode:>9} {reshard:>7}"
+              f" {candidate.recompute:>9} {candidate.num_microbatches:>4} {candidate.gradient_accumulation_steps:>3}"
+              f" {candidate.peak_bytes / _GIB:>6.1f}{times} {candidate.step_seconds:>7.3f}"
+              f"  {candidate.compared_with(fitting[0], costs=args.wide)}")
+    print("\n".join(textwrap.wrap(_ADVISOR_LEGEND, 100)))
     return 0
 
 

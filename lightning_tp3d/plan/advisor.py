@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from lightning_tp3d.plan.communication import GROUPS, communication_ledger, group_bandwidths
 from lightning_tp3d.plan.config import ModelConfig
+from lightning_tp3d.plan.data_parallel import GradientReduction, choose_data_parallel
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions, training_flops_per_token, training_ledger
 from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS
@@ -76,13 +77,21 @@ class LayoutCandidate:
     @property
     def name(self) -> str:
         return (f"tp={self.tensor_parallel_size} pp={self.pipeline_parallel_size} dp={self.data_parallel_size}"
-                f" {self.data_parallel_label} recompute={self.recompute} m={self.num_microbatches}"
-                f" k={self.gradient_accumulation_steps}")
+                f" {self.data_parallel_mode}{' reshard' if self.reshards else ''} recompute={self.recompute}"
+                f" m={self.num_microbatches} k={self.gradient_accumulation_steps}")
 
     @property
-    def data_parallel_label(self) -> str:
-        """The mode as tables show it: `fsdp reshard` where `fsdp_reshard_after_forward=True` is asked."""
-        return self.data_parallel_mode + (" reshard" if self.fsdp_reshard_after_forward else "")
+    def reshards(self) -> bool | None:
+        """Whether FSDP frees a unit's gathered weights after each forward (as asked, or FSDP's default);
+        None for a mode that keeps whole parameters."""
+        plan = choose_data_parallel(self.data_parallel_mode, self.data_parallel_size, self.pipeline_parallel_size,
+                                    fsdp_reshard_after_forward=self.fsdp_reshard_after_forward)
+        return plan.reshard_after_forward if plan.reduction is GradientReduction.FULLY_SHARDED else None
+
+    def settings(self) -> dict[str, object]:
+        """What a layout chooses, by the table's column names."""
+        return {"tp": self.tensor_parallel_size, "pp": self.pipeline_parallel_size, "dp": self.data_parallel_size,
+                "dp mode": self.data_parallel_mode, "reshard": self.reshards, "recompute": self.recompute}
 
     def options(self, seq_len: int, precision: str) -> TrainingOptions:
         """The ledger options this candidate was evaluated with."""
@@ -96,16 +105,21 @@ class LayoutCandidate:
         return {"compute": self.compute_seconds, "bubble": self.bubble_seconds,
                 **{f"{group} comm": seconds for group, seconds in self.exposed_seconds.items()}}
 
-    def compared_with(self, best: LayoutCandidate) -> str:
-        """Why this layout is where it is: its largest cost against the best layout's."""
+    def compared_with(self, best: LayoutCandidate, costs: bool = True) -> str:
+        """Why this layout is where it is: for the best, its costs beyond compute; for another, how much
+        slower it is, the settings in which it differs from the best and (with `costs`) the part of the step
+        that grows most against the best's."""
         if self is best:
             parts = [(name, seconds) for name, seconds in self.parts().items() if name != "compute" and seconds > 0]
             listed = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in sorted(parts, key=lambda part: -part[1]))
-            return f"best; beyond compute: {listed or 'nothing'}"
-        differences = {name: seconds - best.parts()[name] for name, seconds in self.parts().items()}
-        name, difference = max(differences.items(), key=lambda item: item[1])
-        cause = f"recompute={self.recompute}" if name == "compute" else name
-        return f"+{self.step_seconds / best.step_seconds - 1:.0%}: {cause} +{difference:.3f} s"
+            return f"best; beyond compute: {listed or 'nothing'}" if costs else "best"
+        differ = ", ".join(name for name, value in self.settings().items() if value != best.settings()[name])
+        why = f"+{self.step_seconds / best.step_seconds - 1:.0%}: {differ or 'm, k'}"
+        if not costs:
+            return why
+        name, difference = max(((name, seconds - best.parts()[name]) for name, seconds in self.parts().items()),
+                               key=lambda item: item[1])
+        return f"{why}; {name} +{difference:.3f} s"
 
 
 def _divisors(value: int) -> list[int]:

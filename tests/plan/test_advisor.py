@@ -18,7 +18,7 @@ GIB = 1024**3
 
 def test_advisor_ranks_valid_layouts_and_the_best_fits_by_the_ledger(capsys):
     assert main(["plan", "deepseek-llm-7b", "--gpus", "64", "--gpu-memory", "80GiB", "--gpus-per-node", "8",
-                 "--json"]) == 0
+                 "--global-batch-size", "512", "--json"]) == 0
     candidates = json.loads(capsys.readouterr().out)
     assert len(candidates) > 20
     for candidate in candidates:
@@ -40,13 +40,39 @@ def test_advisor_ranks_valid_layouts_and_the_best_fits_by_the_ledger(capsys):
 
 
 def test_advisor_table_names_why_each_layout_wins_or_loses(capsys):
-    assert main(["plan", "deepseek-llm-67b", "--gpus", "32", "--gpu-memory", "80GiB", "--top", "5"]) == 0
+    """Within 100 columns: the dp modes as the options name them, FSDP's resharding in its own column, each
+    column explained, and for each layout the columns in which it differs from the best (`--wide`: with the
+    seconds of every part, and the part that grows most); `--json` carries the same."""
+    args = ["plan", "deepseek-llm-67b", "--gpus", "32", "--gpu-memory", "80GiB", "--top", "5",
+            "--global-batch-size", "512"]
+    assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "168 layouts, 33 fit in 90% of the memory" in lines[0]  # replicate, zero1, fsdp, fsdp-reshard
-    assert "best; beyond compute: bubble" in lines[2]
-    assert all(" +" in line and "%:" in line for line in lines[3:7])
-    assert main(["plan", "deepseek-llm-67b", "--gpus", "8", "--gpu-memory", "80GiB"]) == 1
+    assert "168 layouts, 33 fit in 90% of the memory" in lines[1]  # replicate, zero1, fsdp, fsdp resharding
+    assert lines[2].split()[:12] == ["#", "tp", "pp", "dp", "dp", "mode", "reshard", "recompute", "m", "k", "GiB",
+                                     "step"]
+    offset = lines[2].index("why")
+    rows = [line[:offset].split() for line in lines[3:8]]
+    whys = [line[offset:] for line in lines[3:8]]
+    assert whys[0] == "best" and all(why.startswith("+") and "%: " in why for why in whys[1:])
+    assert {row[4] for row in rows} <= {"replicate", "fsdp", "zero1"}
+    assert all((row[5] in ("yes", "no")) == (row[4] == "fsdp") for row in rows)
+    legend = " ".join(lines[8:])
+    assert all(f"{column}:" in legend for column in ("m", "k", "reshard", "GiB", "step s", "why"))
+    assert max(len(line) for line in lines) <= 100
+    columns = {"tp": 1, "pp": 2, "dp": 3, "dp mode": 4, "reshard": 5, "recompute": 6}
+    for row, why in zip(rows[1:], whys[1:]):  # the columns named are the ones that differ from the best
+        named = set(why.partition(": ")[2].split(", ")) - {"m", "k"}
+        assert named == {name for name, column in columns.items() if row[column] != rows[0][column]}, why
+    assert main(args + ["--wide"]) == 0
+    wide = capsys.readouterr().out.splitlines()
+    assert "best; beyond compute: bubble" in wide[3] and all("; " in line and " s" in line for line in wide[4:8])
+    assert main(args + ["--json"]) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    assert best["why"].startswith("best; beyond compute: bubble") and best["reshard"] == (rows[0][5] == "yes")
+    assert main(["plan", "deepseek-llm-67b", "--gpus", "8", "--gpu-memory", "80GiB", "--global-batch-size", "512"]) == 1
     assert "no layout fits" in capsys.readouterr().out
+    assert main(["plan", "deepseek-llm-67b", "--gpus", "8"]) == 2
+    assert "the advisor needs --global-batch-size B" in capsys.readouterr().err
 
 
 def test_slower_links_make_the_tensor_parallel_layouts_pay_their_all_reduces():
