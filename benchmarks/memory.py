@@ -83,6 +83,9 @@ def _measure(tp: int, pp: int, dp: int, mode: str, output: Path) -> None:
             seq_len=SEQ_LEN, precision="32-true", data_parallel_mode=mode))
         stages = [{kind: getattr(stage, kind) for kind in KINDS} for stage in ledger.stages]
         output.write_text(json.dumps({"per_rank": probe.per_rank, "ledger": stages}))
+    # every rank leaves the group before the interpreter exits: torch's gloo threads, still running at exit,
+    # can abort the process ("terminate called without an active exception") after its work is done
+    torch.distributed.destroy_process_group()
 
 
 def _compare(result: dict[str, Any]) -> dict[str, Any]:
