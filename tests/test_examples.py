@@ -1,5 +1,6 @@
 """The README's main job runs as the README says: `python examples/train_tiny.py` trains at 2 x 2 x 2 on 8
-CPU processes, and its training and held-out losses fall from and to the figures the README quotes."""
+CPU processes, its training and held-out losses fall from and to the figures the README quotes, and it
+prints no warning of the package's own making."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def test_main_job_loss_falls_as_the_readme_says():
     process = subprocess.run([sys.executable, "examples/train_tiny.py"], cwd=REPOSITORY, capture_output=True,
                              text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert process.returncode == 0, process.stderr[-3000:]
+    # nothing on stderr of the package's own making: no warning raised in its code, no deprecated setting it made
+    own = [line for line in process.stderr.splitlines()
+           if "lightning_tp3d" in line or "TORCH_NCCL_TRACE_BUFFER_SIZE" in line]
+    assert own == [], own
     losses = {int(step): float(loss) for step, loss in re.findall(r"step\s+(\d+)\s+loss\s+(\d+\.\d+)", process.stdout)}
     val_losses = [float(loss) for loss in re.findall(r"step\s+\d+\s+val_loss\s+(\d+\.\d+)", process.stdout)]
     assert abs(losses[1] - first) < 5e-3, (losses[1], first)

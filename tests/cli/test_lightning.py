@@ -49,6 +49,20 @@ def test_yaml_run_at_2x2x2_matches_single_process(config, tmp_path):
     assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-5
 
 
+def test_a_bad_layout_in_fit_is_one_line_with_the_fix(tmp_path):
+    """`tp3d fit` on 3 processes for a tp 2 x pp 2 YAML: the layout's refusal as one line on stderr (exit 2),
+    as `tp3d plan` gives it, not a traceback; and no LightningCLI warning about its `args=` parameter."""
+    process = subprocess.run([sys.executable, "-m", "lightning_tp3d.cli", "fit", "--config",
+                              str(EXAMPLES / "tiny_2x2x2.yaml"), "--trainer.devices", "3"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert process.returncode == 2, process.stderr[-3000:]
+    errors = [line for line in process.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert errors == ["tp3d fit: error: world size 3 is not divisible by tensor_parallel_size x"
+                      " pipeline_parallel_size = 2 x 2 = 4; launch a multiple of 4 processes or change the tp/pp"
+                      " sizes."], process.stderr[-3000:]
+    assert "args parameter is intended" not in process.stderr
+
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
