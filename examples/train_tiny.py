@@ -21,6 +21,7 @@ from lightning_tp3d import TP3DStrategy  # noqa: E402
 from lightning_tp3d.callbacks import PrintLosses  # noqa: E402
 from lightning_tp3d.data import TokenDataModule  # noqa: E402
 from lightning_tp3d.models import CausalLMModule  # noqa: E402
+from lightning_tp3d.plan.data_parallel import DATA_PARALLEL_MODES  # noqa: E402
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2, help="pipeline parallel size")
     parser.add_argument("--dp", type=int, default=2, help="data parallel size")
     parser.add_argument("--schedule", default="1f1b", help="pipeline schedule (gpipe, 1f1b, interleaved_1f1b, ...)")
-    parser.add_argument("--dp-mode", choices=["replicate", "fsdp"], default="replicate")
+    parser.add_argument("--dp-mode", choices=list(DATA_PARALLEL_MODES), default="replicate")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per data-parallel rank and step")
     parser.add_argument("--seq-len", type=int, default=64)

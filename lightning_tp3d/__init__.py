@@ -5,7 +5,7 @@ from importlib.metadata import version
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_tp3d._compat.lightning import read_checkpoint_folders_with
+from lightning_tp3d._compat.lightning import quiet_known_deprecations, read_checkpoint_folders_with
 from lightning_tp3d.io.checkpoint_format import is_checkpoint_folder, read_lightning_checkpoint
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout, RankCoordinates
@@ -29,6 +29,7 @@ __all__ = [
 
 # `LightningModule.load_from_checkpoint(folder)` reads a checkpoint folder as Lightning's one-file checkpoint.
 read_checkpoint_folders_with(is_checkpoint_folder, read_lightning_checkpoint)
+quiet_known_deprecations()  # a Lightning / torch mismatch, harmless: `_compat.lightning`
 
 __version__ = version("lightning-tp3d")  # pyproject.toml is the one place the version is written
 

@@ -8,11 +8,16 @@ Lightning has no hook, so the package replaces one of its functions (each with i
   which opens a single file; `read_checkpoint_folders_with` lets it read a checkpoint folder too.
 * `BaseFinetuning.filter_on_optimizer` compares parameters with `torch.equal`, which refuses a plain
   tensor against a DTensor; `compare_finetuning_parameters_with` gives it a comparison that takes both.
+
+One warning is filtered (`quiet_known_deprecations`): Lightning 2.6's `utilities/_pytree.py` builds
+`LeafSpec()`, which torch 2.13 deprecates, so every process of every run printed it twice; it says nothing
+about the user's run, and Lightning's next release changes the call.
 """
 
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -25,6 +30,7 @@ from lightning.pytorch.utilities.data import _update_dataloader as update_datalo
 
 __all__ = [
     "LIGHTNING_VERSION",
+    "quiet_known_deprecations",
     "ParallelBackwardSyncControl",
     "attached_trainer",
     "compare_finetuning_parameters_with",
@@ -109,6 +115,12 @@ def use_model_summary(callback: Any, summarize: Callable[[Any, int], Any]) -> No
         return summarize(pl_module, self._max_depth)
 
     callback._summary = types.MethodType(_summary, callback)
+
+
+def quiet_known_deprecations() -> None:
+    """Filter the deprecation the module docstring names, raised in Lightning's own `_pytree` module only."""
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            module=r"lightning\.pytorch\.utilities\._pytree")
 
 
 def read_checkpoint_folders_with(is_folder: Callable[[Path], bool], read_folder: Callable[[Path], dict]) -> None:

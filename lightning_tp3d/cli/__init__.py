@@ -111,6 +111,7 @@ def _run_check(args: argparse.Namespace) -> int:
     config = json.loads((export / "config.json").read_text())
     dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype_name, "fp32")
+    _quiet_transformers()
     candidate = consistency.model_from_hf_folder(export, use_transformers=not args.no_transformers)
     if args.checkpoint is not None:
         reference = consistency.model_from_checkpoint(args.checkpoint, verify=not args.no_verify)
@@ -131,11 +132,20 @@ def _run_check(args: argparse.Namespace) -> int:
     if dtype != "fp32":
         unrounded = consistency.run_with_layer_outputs(reference, prompts)
         report.precision_max_abs_diff = consistency.compare_outputs(unrounded, exported).max_abs_diff
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.summary())
+    print(json.dumps(report.to_dict(), indent=2) if args.json else f"{report.summary()}\n{report.layer_table()}")
     if report.verdict == "WARN":
         print(f"warning: max |logit diff| {report.max_abs_diff:.3e} is above the PASS band ({warn_above:.0e});"
               f" look at {report.first_bad_layer} first.", file=sys.stderr)
     return 0 if report.passed else 1
+
+
+def _quiet_transformers() -> None:
+    """No loading progress bars from transformers in this command's output (it prints its own report)."""
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        return
+    logging.disable_progress_bar()
 
 
 def _verify_parser(subparsers: argparse._SubParsersAction) -> None:

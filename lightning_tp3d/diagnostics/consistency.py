@@ -108,9 +108,20 @@ class ConsistencyReport:
 
     @property
     def verdict(self) -> str:
-        if self.max_abs_diff <= min(self.warn_above, self.tolerance):
+        return self.band(self.max_abs_diff)
+
+    def band(self, max_abs_diff: float) -> str:
+        """PASS at or below `warn_above`, WARN up to `tolerance`, FAIL above."""
+        if max_abs_diff <= min(self.warn_above, self.tolerance):
             return "PASS"
-        return "WARN" if self.max_abs_diff <= self.tolerance else "FAIL"
+        return "WARN" if max_abs_diff <= self.tolerance else "FAIL"
+
+    def layer_table(self) -> str:
+        """Each decoder layer's output: its max |diff| and band, in order (the first one out of PASS is where
+        to look)."""
+        lines = [f"{'layer':<24} {'max |diff|':>10}  band"]
+        lines += [f"{name:<24} {value:>10.3e}  {self.band(value)}" for name, value in self.layer_max_abs_diff.items()]
+        return "\n".join(lines)
 
     @property
     def passed(self) -> bool:

@@ -37,9 +37,11 @@ __all__ = ["HuggingFaceCausalLMAdapter", "HuggingFaceStages", "is_huggingface_ca
 
 def is_huggingface_causal_lm(network: nn.Module) -> bool:
     """A `transformers.PreTrainedModel` of the `XForCausalLM` shape (decoder under `model` with its rotary
-    table, head `lm_head`). A network can only be one if `transformers` is already imported."""
-    transformers = sys.modules.get("transformers")
-    return (transformers is not None and isinstance(network, transformers.PreTrainedModel)
+    table, head `lm_head`). A network can only be one once transformers' modelling module is imported, so
+    asking imports nothing (`transformers.PreTrainedModel` would load it, and with it every quantisation
+    library installed, each printing its own loading messages, for a network that is not one)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return (modeling is not None and isinstance(network, modeling.PreTrainedModel)
             and hasattr(network, "lm_head") and hasattr(getattr(network, "model", None), "rotary_emb"))
 
 
