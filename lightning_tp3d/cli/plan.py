@@ -37,6 +37,7 @@ from lightning_tp3d.plan.units import parse_size
 __all__ = ["SERVING_DTYPE", "plan_parser"]
 
 _GIB = 1024**3
+_DEFAULT_SEQ_LEN = 4096
 # The serving dtype that matches each training precision ("serve in the precision you trained in").
 SERVING_DTYPE = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16",
                  "16-mixed": "fp16"}
@@ -45,8 +46,22 @@ _MICROBATCHES_PER_STAGE = 4  # m >= 4 x pp keeps the GPipe / 1F1B bubble under 2
 _GPUS_PER_NODE = 8  # when --gpus-per-node is not given: which groups cross nodes
 
 
-def _gib(value: int) -> str:
-    return f"{value / _GIB:9.2f}"
+def _unit(largest: int) -> tuple[str, int]:
+    """GiB for figures of a GiB or more, else MiB (a tiny model's ledger is not 0.00 everywhere)."""
+    return ("GiB", _GIB) if largest >= _GIB else ("MiB", 1024**2)
+
+
+def _sequence_length(args: argparse.Namespace, config: ModelConfig) -> tuple[int, str]:
+    """`--seq-len`, or 4096 capped to the model's positions; with the sentence that says which."""
+    positions = config.max_position_embeddings
+    if args.seq_len is None:
+        length = min(_DEFAULT_SEQ_LEN, positions)
+        capped = length < _DEFAULT_SEQ_LEN
+        return length, f" (the model's {positions} positions; --seq-len to choose)" if capped else ""
+    if args.seq_len > positions:
+        raise ValueError(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings={positions};"
+                         " train at most that many tokens per sequence.")
+    return args.seq_len, ""
 
 
 def plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -58,7 +73,8 @@ def plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--micro-batch-size", type=int, default=1)
     plan.add_argument("--num-microbatches", type=int, default=None, help="per step (default: pp)")
     plan.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    plan.add_argument("--seq-len", type=int, default=4096)
+    plan.add_argument("--seq-len", type=int, default=None,
+                      help=f"tokens per sequence (default {_DEFAULT_SEQ_LEN}, or the model's positions if fewer)")
     plan.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16-mixed")
     plan.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
     plan.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform",
@@ -228,6 +244,7 @@ def _qlora(args: argparse.Namespace) -> NF4Format | None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     config = resolve_model_config(args.model)
+    args.seq_len, seq_len_note = _sequence_length(args, config)
     if args.serve:
         return _run_serve_plan(args, config)
     if args.gpus is not None:
@@ -256,9 +273,12 @@ def _run_plan(args: argparse.Namespace) -> int:
                               "seconds": [communication.seconds(stage, bandwidth)
                                           for stage in range(len(communication.stages))]}}, indent=2))
         return 0
-    print(f"model {args.model}: {config.num_parameters():,} parameters ({config.num_parameters() / 1e9:.2f}e9)")
+    count = config.num_parameters()
+    print(f"model {args.model}: {count:,} parameters"
+          f" ({f'{count / 1e9:.2f}e9' if count >= 1e9 else f'{count / 1e6:.2f}e6'})")
     print(f"layout tp={layout.tensor_parallel_size} pp={layout.pipeline_parallel_size} dp={layout.data_parallel_size}"
-          f" -> {layout.world_size} ranks; global batch {layout.global_batch_size} sequences of {args.seq_len} tokens")
+          f" -> {layout.world_size} ranks; global batch {layout.global_batch_size} sequences of {args.seq_len} tokens"
+          f"{seq_len_note}")
     recompute = args.recompute if args.recompute == "none" else (
         f"{args.recompute} ({args.recompute_method}, N={args.recompute_num_layers})")
     print(f"training {args.precision}, recompute={recompute}, dp mode={args.dp_mode}, schedule={args.schedule}")
@@ -267,14 +287,16 @@ def _run_plan(args: argparse.Namespace) -> int:
         base = " in 4-bit NF4" if args.qlora else ""
         print(f"{_lora_words(args)[2:]}: trainable parameters per rank {trainable}; the rest frozen{base}"
               " (weights only, no gradients or optimizer state)")
+    unit, scale = _unit(training.peak_stage.total_bytes)
     print(f"{'stage':>5} {'layers':>9} {'params/rank':>14} {'weights':>9} {'grads':>9} {'optim':>9} "
-          f"{'activ':>9} {'total GiB':>9}")
+          f"{'activ':>9} {'total ' + unit:>9}")
     for stage in training.stages:
         layers = f"{stage.first_layer}-{stage.first_layer + stage.num_layers - 1}"
-        print(f"{stage.stage:>5} {layers:>9} {stage.parameters:>14,} {_gib(stage.weight_bytes)}"
-              f" {_gib(stage.gradient_bytes)} {_gib(stage.optimizer_bytes)} {_gib(stage.activation_bytes)}"
-              f" {_gib(stage.total_bytes)}")
-    print(f"peak per rank: {training.peak_stage.total_bytes / _GIB:.2f} GiB (stage {training.peak_stage.stage})")
+        sizes = (stage.weight_bytes, stage.gradient_bytes, stage.optimizer_bytes, stage.activation_bytes,
+                 stage.total_bytes)
+        print(f"{stage.stage:>5} {layers:>9} {stage.parameters:>14,} "
+              + " ".join(f"{size / scale:9.2f}" for size in sizes))
+    print(f"peak per rank: {training.peak_stage.total_bytes / scale:.2f} {unit} (stage {training.peak_stage.stage})")
     pp, m = layout.pipeline_parallel_size, layout.num_microbatches
     if pp > 1:
         advice = "" if m >= _MICROBATCHES_PER_STAGE * pp else (
@@ -282,13 +304,15 @@ def _run_plan(args: argparse.Namespace) -> int:
             f" {bubble_fraction(pp, _MICROBATCHES_PER_STAGE * pp):.0%}")
         print(f"pipeline bubble: (pp - 1) / (m + pp - 1) = {bubble:.0%} of each step{advice}")
     print("\n".join(_communication_lines(communication, bandwidth)))
+    unit, scale = _unit(max(serving.kv_bytes_total, *(option.weight_bytes_per_gpu for option in serving.options
+                                                       if option.valid)))
     print(f"serving {serving.dtype}, pipeline stages merged: KV cache {serving.kv_bytes_per_token:,} B/token,"
-          f" {serving.kv_bytes_per_sequence / _GIB:.2f} GiB per {serving.seq_len}-token sequence,"
-          f" {serving.kv_bytes_total / _GIB:.2f} GiB for {serving.num_seqs} sequences")
-    print(f"{'deploy tp':>9} {'weights/GPU GiB':>16} {'KV B/token/GPU':>15}  note")
+          f" {serving.kv_bytes_per_sequence / scale:.2f} {unit} per {serving.seq_len}-token sequence,"
+          f" {serving.kv_bytes_total / scale:.2f} {unit} for {serving.num_seqs} sequences")
+    print(f"{'deploy tp':>9} {'weights/GPU ' + unit:>16} {'KV B/token/GPU':>15}  note")
     for option in serving.options:
         if option.valid:
-            print(f"{option.tensor_parallel_size:>9} {_gib(option.weight_bytes_per_gpu):>16}"
+            print(f"{option.tensor_parallel_size:>9} {option.weight_bytes_per_gpu / scale:>16.2f}"
                   f" {option.kv_bytes_per_token_per_gpu:>15,}  ok")
         else:
             print(f"{option.tensor_parallel_size:>9} {'-':>16} {'-':>15}  invalid: {option.reason}")

@@ -165,3 +165,19 @@ def test_only_the_package_s_own_refusals_become_one_line_errors():
     assert _raised_here(raised(lambda: parse_size("lots")))
     assert not _raised_here(raised(lambda: int("user code")))  # raised in the standard library, for a user
     assert not _raised_here(raised(lambda: (_ for _ in ()).throw(ValueError("a user's module"))))
+
+
+def test_plan_defaults_follow_the_model_and_units_fit_the_numbers(capsys):
+    """A model of 256 positions plans 256-token sequences (said once), its megabytes in MiB; a longer
+    --seq-len is refused."""
+    assert main(["plan", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "sequences of 256 tokens (the model's 256 positions; --seq-len to choose)" in out
+    assert out.count("positions; --seq-len to choose") == 1
+    assert "total MiB" in out and "peak per rank: 0.00" not in out and "0.00 GiB" not in out
+    assert main(["plan", "tiny", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["training"]["options"]["seq_len"] == 256
+    assert main(["plan", "deepseek-llm-7b"]) == 0
+    assert "sequences of 4096 tokens\n" in capsys.readouterr().out  # its own positions: nothing to say
+    assert main(["plan", "tiny", "--seq-len", "1000"]) == 2
+    assert "longer than the model's max_position_embeddings=256" in capsys.readouterr().err
