@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import textwrap
 from dataclasses import asdict
 
@@ -120,6 +121,9 @@ def plan_parser(subparsers: argparse._SubParsersAction) -> None:
     advisor.add_argument("--top", type=int, default=8, help="layouts to print (default 8)")
     advisor.add_argument("--wide", action="store_true",
                          help="also print each layout's compute, bubble and exposed tp / pp / dp seconds")
+    plan.add_argument("--plot", default=None, metavar="FILE.png",
+                      help="also draw the memory ledger per stage and per deploy tp size against --gpu-memory (or,"
+                           " with --gpus, every layout's step time against its memory); needs matplotlib")
     plan.set_defaults(run=_run_plan)
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
@@ -202,6 +206,12 @@ def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
     candidates = advise(config, cluster, args.global_batch_size, args.seq_len, args.precision, args.micro_batch_size,
                         args.lora_rank, tuple(args.lora_targets), _qlora(args))
     fitting = [candidate for candidate in candidates if candidate.fits]
+    if args.plot:
+        from lightning_tp3d.cli.plots import plot_advisor
+
+        plot_advisor(candidates, cluster.gpu_memory_bytes, args.plot,
+                     f"{args.model} on {args.gpus} GPUs, global batch {args.global_batch_size} x {args.seq_len}")
+        print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps([asdict(candidate) | {"step_seconds": candidate.step_seconds, "reshard": candidate.reshards,
                                                "why": candidate.compared_with(fitting[0]) if candidate.fits else None}
@@ -265,6 +275,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     bubble = bubble_fraction(layout.pipeline_parallel_size, layout.num_microbatches)
     communication = communication_ledger(config, layout, options)
     bandwidth = group_bandwidths(layout, args.gpus_per_node or _GPUS_PER_NODE, given_gbps=_given_bandwidths(args))
+    if args.plot:
+        from lightning_tp3d.cli.plots import plot_memory
+
+        plot_memory(training, serving, parse_size(args.gpu_memory), args.plot,
+                    f"{args.model} at tp={args.tp} pp={args.pp} dp={args.dp}, {args.precision}, {args.seq_len} tokens")
+        print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": config.to_dict(), "training": training.to_dict(), "serving": serving.to_dict(),
                           "pipeline_bubble_fraction": bubble,
