@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import itertools
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.models.qlora import quantization_record
 from lightning_tp3d.parallel.attributes import find_attribute
+from lightning_tp3d.parallel.materialize import has_meta_tensors
 from lightning_tp3d.parallel.pipeline import PipelineStages, StageLoss
 from lightning_tp3d.parallel.tensor import TensorParallelPlan
 
@@ -70,7 +70,7 @@ def check_peft_construction(network: nn.Module, pretrained: Any | None) -> None:
     how = ("build the base with transformers.AutoModelForCausalLM.from_pretrained(folder) and wrap it with"
            " get_peft_model (in __init__ or configure_model, as lightning_tp3d.models.lora_module."
            "LoraCausalLMModule does)")
-    if any(tensor.is_meta for tensor in itertools.chain(network.parameters(), network.buffers())):
+    if has_meta_tensors(network):
         raise ValueError(f"The PEFT model was built on the meta device, where its LoRA factors would be re-initialised"
                          f" without PEFT's rule (B = 0): {how}, outside the meta device (empty_init=False).")
     if pretrained is not None:
