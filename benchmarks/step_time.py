@@ -1,6 +1,7 @@
 """Step time of TP3DStrategy against Lightning's own strategies, and pipeline bubbles against theory.
 
     python benchmarks/step_time.py            # 2 processes, CPU/gloo; prints a table and writes JSON
+    python benchmarks/step_time.py --pairs compile --no-pipeline --output benchmarks/compile_cpu.json
 
 Side by side in one session, same model, data and optimizer; a run's figure is its median step time
 over the steps after a warm-up (measured per rank from the start to the end of each training batch,
@@ -14,6 +15,8 @@ alternating) and reports the median over rounds of the per-round ratio candidate
   the host time the reduction still takes once backward has ended (exposed);
 * activation recompute: `recompute="full"` and `"selective"` vs none, at data parallel 2 (full
   recompute repeats each block's forward in backward: (F + B + F) / (F + B) = 4/3 when B = 2F);
+* regional compilation: `compile=True` vs eager at tensor parallel 2 and at pipeline parallel 2 (1F1B,
+  4 micro-batches); inductor compiles during the warm-up steps, which the medians leave out;
 * pipeline parallel 2: the idle fraction of each rank (`TP3DStrategy.pipeline_timing`) for GPipe and
   1F1B at 2, 4 and 8 micro-batches vs the theoretical bubble (p - 1) / (m + p - 1).
 """
@@ -80,6 +83,11 @@ PAIRS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         lambda: TP3DStrategy(overlap_gradient_reduction=False), TP3DStrategy),
     "recompute full / none (tp3d dp=2)": (TP3DStrategy, lambda: TP3DStrategy(recompute="full")),
     "recompute selective / none (tp3d dp=2)": (TP3DStrategy, lambda: TP3DStrategy(recompute="selective")),
+    "compile / eager (tp3d tp=2)": (lambda: TP3DStrategy(tensor_parallel_size=2),
+                                    lambda: TP3DStrategy(tensor_parallel_size=2, compile=True)),
+    "compile / eager (tp3d pp=2 1f1b m=4)": (
+        lambda: TP3DStrategy(pipeline_parallel_size=2, num_microbatches=4),
+        lambda: TP3DStrategy(pipeline_parallel_size=2, num_microbatches=4, compile=True)),
 }
 
 
@@ -108,13 +116,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--output", default="benchmarks/step_time_cpu.json")
+    parser.add_argument("--pairs", nargs="*", default=None,
+                        help="run only the comparisons whose name contains one of these words (default: all)")
+    parser.add_argument("--no-pipeline", action="store_true", help="leave out the pipeline idle table")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    chosen = {name: makers for name, makers in PAIRS.items()
+              if args.pairs is None or any(word in name for word in args.pairs)}
     results: dict[str, Any] = {"command": [sys.executable, *sys.argv], "machine": MACHINE,
                                "paired": {name: _paired_rounds(*makers, args.rounds, args)
-                                          for name, makers in PAIRS.items()},
+                                          for name, makers in chosen.items()},
                                "pipeline": {}}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in () if args.no_pipeline else ("gpipe", "1f1b"):
         for microbatches in (2, 4, 8):
             strategy = TP3DStrategy(pipeline_parallel_size=2, pipeline_schedule=schedule,
                                     num_microbatches=microbatches)

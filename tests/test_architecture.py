@@ -262,6 +262,8 @@ RUNTIME_PATCHES = {
     ("parallel/recompute.py", "block.forward"): "checkpoint the block's forward in place: torch's"
         " checkpoint_wrapper adds `_checkpoint_wrapped_module` to every parameter name",
     ("parallel/recompute.py", "target.forward"): "as block.forward, for the selective target module",
+    ("parallel/compile.py", "block.forward"): "compile the block's forward in place: torch.compile(block) adds"
+        " `_orig_mod` to every parameter name, and block.compile() would pull FSDP2's hooks into the graph",
     ("parallel/recompute.py", "setattr(owner)"): "as block.forward, for a selective target that is a method",
     ("parallel/pipeline/runner.py", "setattr(stage)"): "torch's PipelineStage has no hook around its chunk"
         " computations; the timing of compute against idle needs one",

@@ -11,9 +11,11 @@ changed between the versions the package supports (`torch>=2.6`).
 * `local_shape_and_global_offset` (`torch.distributed.tensor._utils`): where a DTensor's shard sits in
   the global tensor.
 * `AsyncCollectiveTensor` (`torch.distributed._functional_collectives`): what a functional collective
-  returns before it is waited for.
+  returns before it is waited for; `wait_async_collective` (its `trigger_wait`) its value after the wait.
 * `process_group_options` (`torch._C._distributed_c10d.Backend.Options`, the NCCL options' `_timeout`):
   a timeout for every group of a device mesh.
+* `dynamo_counters` (`torch._dynamo.utils.counters`): what dynamo compiled (`stats.unique_graphs`) and
+  where it broke a graph (`graph_break`), which `TP3DStrategy(compile=True)` is checked with.
 * `recorded_collectives` (`torch._C._distributed_c10d._dump_*_trace_json`): the flight recorder's
   entries, NCCL's or the generic one's (gloo).
 """
@@ -38,6 +40,7 @@ __all__ = [
     "TORCH_VERSION",
     "AsyncCollectiveTensor",
     "all_gather_single",
+    "dynamo_counters",
     "flatten_dense_tensors",
     "foreach_norm",
     "is_compiled",
@@ -48,6 +51,7 @@ __all__ = [
     "recorded_collectives",
     "reduce_scatter_single",
     "unflatten_dense_tensors",
+    "wait_async_collective",
 ]
 
 TORCH_VERSION = version("torch")
@@ -67,6 +71,18 @@ non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 def is_compiled(module: nn.Module) -> bool:
     """`torch.compile(module)` (an `OptimizedModule` holding `_orig_mod`) or `module.compile()` (in place)."""
     return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def dynamo_counters() -> Any:
+    """dynamo's counters (a mapping of `collections.Counter`s by kind), imported on first use."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def wait_async_collective(tensor: AsyncCollectiveTensor) -> torch.Tensor:
+    """The collective's result as a plain tensor, waited for (once: a second call returns it again)."""
+    return tensor.trigger_wait()
 
 
 def loss_scale_tensor(scaler: Any) -> torch.Tensor | None:

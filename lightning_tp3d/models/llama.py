@@ -64,7 +64,9 @@ def _rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.dev
     """cos/sin of angle(p, i) = p / theta^(2i / head_dim), duplicated over both halves (rotate-half RoPE).
 
     Computed once per (length, device, dtype) and shared by every layer; made outside inference mode so a
-    table first built during validation can be saved for a later training backward."""
+    table first built during validation can be saved for a later training backward. A compiled block
+    (`TP3DStrategy(compile=True)`) computes the tables inside its graph instead: dynamo does not trace
+    through a cache."""
     with torch.inference_mode(False):
         return _rotary_tables(seq_len, head_dim, theta, device, dtype)
 
@@ -95,7 +97,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        cos, sin = _rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device, q.dtype)
+        rotary = _rotary_tables if torch.compiler.is_compiling() else _rotary_cos_sin
+        cos, sin = rotary(seq, self.head_dim, self.rope_theta, x.device, q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = self.core_attention(q, k, v)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PIPELINE_SCHEDULES", "PipelinePlan", "bubble_fraction", "fsdp_reshards_after_forward", "plan_pipeline",
+__all__ = ["PIPELINE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "PipelinePlan",
+           "bubble_fraction", "fsdp_reshards_after_forward", "plan_pipeline",
            "stages_per_rank_of"]
 
 # user-facing name -> torch schedule class name
@@ -27,7 +28,7 @@ PIPELINE_SCHEDULES: dict[str, str] = {
 _LOOPED = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble"}
 _V_SHAPED = {"zbv_zero_bubble", "dualpipev"}
 # Schedules that compute weight gradients in a pass of their own, after the input gradients.
-_SPLIT_BACKWARD = {"interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"}
+SPLIT_BACKWARD_SCHEDULES = frozenset({"interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"})
 # Schedules that run the first backward before all forwards are done need one micro-batch per stage.
 _NEEDS_MICROBATCHES_PER_RANK = {"1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble",
                                 "dualpipev"}
@@ -103,7 +104,7 @@ def fsdp_reshards_after_forward(choice: bool | None, schedule: str, pp_size: int
     after FSDP2 would have resharded."""
     if choice is None:
         return pp_size == 1
-    if choice and pp_size > 1 and schedule in _SPLIT_BACKWARD:
+    if choice and pp_size > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
         raise ValueError(
             f"fsdp_reshard_after_forward=True cannot run pipeline_schedule={schedule!r}: its weight gradients are"
             " computed after FSDP2 resharded the parameters, so they would come back wrong. Use 'gpipe', '1f1b',"

@@ -131,7 +131,7 @@ class ParallelCore:
     def parallelize(self, network: nn.Module, config: Any | None, loss_scale: Callable[[], torch.Tensor | float],
                     device: torch.device) -> bool:
         """Make `network` parallel (`strategies.parallelize.parallelize_network`: pipeline split -> TP ->
-        recompute -> data parallel -> pipelined forward -> materialise) once; returns False when `network`
+        recompute -> compile -> data parallel -> pipelined forward -> materialise) once; returns False when `network`
         is already parallel."""
         if network is self._parallelized:
             return False

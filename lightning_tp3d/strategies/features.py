@@ -78,8 +78,8 @@ def check_network_is_not_compiled(network: nn.Module, attribute: str) -> None:
         raise UnsupportedFeatureError(
             f"LightningModule.{attribute} is compiled (torch.compile(...) or .compile()): TP3DStrategy splits the"
             " network into pipeline stages, shards it with its tp_plan and names its checkpoint tensors, which needs"
-            " the module itself. Build it uncompiled in configure_model; compiling inside the strategy is not"
-            " offered yet."
+            " the module itself. Build it uncompiled in configure_model and pass TP3DStrategy(compile=True) (or"
+            " compile=dict(...) with torch.compile's keywords): the strategy compiles each block once it is split."
         )
 
 

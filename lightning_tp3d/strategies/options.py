@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.models.families import ModelAdapterOption, check_model_adapter, resolve_model_adapter
 from lightning_tp3d.parallel.attributes import import_object
+from lightning_tp3d.parallel.compile import check_compile_schedule, compile_settings
 from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.parallel.tensor import resolve_tp_plan
 from lightning_tp3d.plan.data_parallel import choose_data_parallel
@@ -52,7 +53,8 @@ def _option(default: Any, help: str) -> Any:
 @dataclass(frozen=True)
 class ParallelOptions:
     """The options of both strategies (see the module docstring). `num_microbatches=None` becomes
-    `pipeline_parallel_size`; sequences become tuples, `pretrained` a `Path`, a `tp_plan` the plan and a
+    `pipeline_parallel_size`; sequences become tuples, `pretrained` a `Path`, `compile` torch.compile's
+    keywords (None when off), a `tp_plan` the plan and a
     `model_adapter` / `pipeline_stages` import path the instance (a class is instantiated). The model's
     parts (`layers_attribute`, the first and last pipeline modules, `tp_plan`, `pipeline_stages`) left None
     are its family adapter's (`model_adapter_for`)."""
@@ -108,6 +110,11 @@ class ParallelOptions:
     recompute_num_layers: int = _option(1, "N of `recompute_method`.")
     recompute_target: str = _option(
         DEFAULT_SELECTIVE_TARGET, "attribute path inside a block of the method or module \"selective\" recomputes.")
+    compile: bool | dict[str, Any] = _option(
+        False, "compile each transformer block's forward with torch.compile after tensor parallelism and"
+        " recompute, before FSDP (`parallel.compile`: one graph shared by the blocks, parameter names"
+        " unchanged); a mapping is passed to torch.compile as keywords (backend, mode, fullgraph, dynamic,"
+        " options).")
     pretrained: str | Path | None = _option(
         None, "a Hugging Face folder (safetensors) whose weights initialise the network after it is sharded, each"
         " rank reading only its own slices (a resumed checkpoint then overrides them).")
@@ -138,6 +145,7 @@ class ParallelOptions:
             "model_adapter": check_model_adapter(self.model_adapter),
             "tp_plan": resolve_tp_plan(self.tp_plan),
             "pipeline_stages": _resolve_stages(self.pipeline_stages),
+            "compile": compile_settings(self.compile),
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
@@ -151,6 +159,7 @@ class ParallelOptions:
                              self.fsdp_reshard_after_forward, self.pipeline_schedule)  # dp is known at launch
         if pp > 1:
             stages_per_rank_of(self.pipeline_schedule, pp, m, self.stages_per_rank)
+            check_compile_schedule(self.compile, self.pipeline_schedule)
             if m < pp:
                 bubble = (pp - 1) / (m + pp - 1)
                 rank_zero_warn(

@@ -3,11 +3,12 @@
     1. pipeline split      this rank's stages of the network (`parallel.pipeline.split`)
     2. tensor parallel     DTensor weights over tp (`parallel.tensor`)
     3. recompute           activation checkpointing per block (`parallel.recompute`)
-    4. data parallel       `DataParallel.wrap`: FSDP2 units around the recomputed blocks (it must wrap
+    4. compile             each block's forward through `torch.compile` (`parallel.compile`)
+    5. data parallel       `DataParallel.wrap`: FSDP2 units around the recomputed blocks (it must wrap
                            parameters that are already DTensors, and its units must contain the
                            recomputed code, so the recompute runs on unsharded parameters)
-    5. pipelined forward   `network(input_ids, labels=...)` runs the schedule (`parallel.pipeline.forward`)
-    6. materialise         a network built on the meta device gets this rank's shard only, initialised
+    6. pipelined forward   `network(input_ids, labels=...)` runs the schedule (`parallel.pipeline.forward`)
+    7. materialise         a network built on the meta device gets this rank's shard only, initialised
                            from its seed and global names (`parallel.materialize`)
 """
 
@@ -23,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.models.lora import check_peft_construction
 from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
+from lightning_tp3d.parallel.compile import compile_blocks, warn_of_training_cache
 from lightning_tp3d.parallel.data_parallel import DataParallel
 from lightning_tp3d.parallel.materialize import materialize_network
 from lightning_tp3d.parallel.nf4 import check_quantized_base
@@ -70,6 +72,10 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
         stage_layers = pipeline_plan.layer_ranges if pipeline_plan is not None else [sorted(indexed_blocks(layers))]
         recompute_network_layers(layers, stage_layers, options.recompute, options.recompute_method,
                                  options.recompute_num_layers, options.recompute_target)
+    if options.compile is not None:
+        if pipeline_plan is None:
+            warn_of_training_cache(config)
+        compile_blocks(indexed_blocks(layers).values(), options.compile)
     data_parallel.wrap(stage_modules or [network], indexed_blocks(layers).values())
     pipeline, handover = None, None
     if pipeline_plan is not None:
