@@ -24,7 +24,8 @@ import torch
 
 from lightning_tp3d.models.llama import DecoderLayer
 from lightning_tp3d.plan.layout import ParallelLayout
-from lightning_tp3d.plan.ledger import TrainingOptions, training_ledger
+from lightning_tp3d.plan.ledger import PRECISIONS, TrainingOptions, training_ledger
+from lightning_tp3d.plan.loss import loss_activation_bytes
 
 from gpu_acceptance import ONE_BILLION
 
@@ -60,8 +61,8 @@ def census(device: str, seq_len: int, precision: str) -> dict[str, Any]:
     activations = sum(tensor["bytes"] for tensor in tensors if not tensor["weight_copy"])
     ledger = training_ledger(ONE_BILLION, ParallelLayout(micro_batch_size=1),
                              TrainingOptions(seq_len=seq_len, precision=precision)).stages[0]
-    logits = 2 * seq_len * ONE_BILLION.vocab_size * 4  # the ledger's logits term (last stage), not a layer's
-    ledger_layer = (ledger.activation_bytes - max(logits, 0)) / ONE_BILLION.num_hidden_layers
+    logits = loss_activation_bytes(seq_len, ONE_BILLION.vocab_size, PRECISIONS[precision][3])  # not a layer's
+    ledger_layer = (ledger.activation_bytes - logits) / ONE_BILLION.num_hidden_layers
     return {"activation_bytes": activations, "ledger_layer_bytes": ledger_layer,
             "ratio": activations / ledger_layer,
             "weight_copy_bytes": sum(tensor["bytes"] for tensor in tensors if tensor["weight_copy"]),

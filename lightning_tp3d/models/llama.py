@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_tp3d.models.cross_entropy import chunked_cross_entropy
 from lightning_tp3d.parallel.materialize import local_region, seeded_normal_
 from lightning_tp3d.plan.config import ModelConfig
 
@@ -30,8 +31,9 @@ IGNORE_INDEX = -100
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean token cross entropy over labels != -100; `labels[b, s]` is the target of position s."""
-    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX)
+    """Mean token cross entropy over labels != -100; `labels[b, s]` is the target of position s. In float32,
+    chunk by chunk (`models.cross_entropy`): the logits are never copied whole to float32."""
+    return chunked_cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
 
 
 class RMSNorm(nn.Module):

@@ -18,8 +18,9 @@ dim (a d = h), V vocab, L layers, t tp, s sequence length, b micro-batch.
   (two RMSNorm inputs/outputs replicated over tp, q/k before RoPE, SDPA's q, k, v and output, the
   o-projection input, and the SwiGLU's gate, up, activation and product). A layer under `full`
   recompute keeps only its input, s b h; under `selective` recompute (attention core) it drops the
-  core's output and softmax statistics, s b (h + a) / t. The last stage adds the logits and their
-  softmax in fp32, 2 s b V x 4 bytes, which are freed before the layers' backward starts; recomputing
+  core's output and softmax statistics, s b (h + a) / t. The last stage adds the loss path
+  (`plan.loss.loss_activation_bytes`: the logits and their gradient, 2 s b V x element, and the chunked
+  loss's float32 temporaries), all freed before the layers' backward starts; recomputing
   a layer adds back what it dropped. So with r of a stage's L layers recomputed, the peak is
       (L - r) x layer + r x kept + max(logits on the last stage, layer - kept if r > 0).
   Measured on the tiny model (MemTracker, s = 64, b = 4, fp32) the estimate is 7% below the peak of
@@ -54,6 +55,7 @@ from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.data_parallel import DataParallelPlan, check_data_parallel_mode, choose_data_parallel
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, check_lora_options, lora_layer_shapes
+from lightning_tp3d.plan.loss import loss_activation_bytes
 from lightning_tp3d.plan.qlora import TENSOR_PARALLEL_REASON, NF4Format, quantized_layer
 from lightning_tp3d.plan.recompute import check_recompute_options, recomputed_layers
 from lightning_tp3d.plan.schedules import stages_per_rank_of
@@ -229,7 +231,7 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
         if options.recompute != "none":
             recomputed = len(recomputed_layers([layers], options.recompute_method, options.recompute_num_layers))
         elements = (len(layers) - recomputed) * full_layer + recomputed * kept_when_recomputed
-        logits_bytes = 2 * s * b * config.vocab_size * 4 if last else 0
+        logits_bytes = loss_activation_bytes(s * b, config.vocab_size, activation) if last else 0
         recompute_bytes = (full_layer - kept_when_recomputed) * activation if recomputed else 0
         activation_bytes = elements * activation + max(logits_bytes, recompute_bytes)
         in_flight = 1 if pp == 1 else (m if options.schedule == "gpipe" else min(m, pp - stage))

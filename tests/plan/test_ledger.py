@@ -9,6 +9,7 @@ import pytest
 from lightning_tp3d import LayoutError, ModelConfig, ParallelLayout
 from lightning_tp3d.plan.config import MODEL_PRESETS
 from lightning_tp3d.plan.ledger import TrainingOptions, serving_ledger, serving_plan, training_ledger
+from lightning_tp3d.plan.loss import loss_activation_bytes
 from lightning_tp3d.plan.qlora import NF4_FORMAT
 
 H, F, V, L = 4096, 11008, 102400, 30  # deepseek-llm-7b
@@ -49,7 +50,11 @@ def test_fsdp_divides_state_by_dp_and_recompute_keeps_layer_inputs():
     assert fsdp.optimizer_bytes * 4 == replicate.optimizer_bytes
     recompute = training_ledger(config, layout, TrainingOptions(seq_len=32, precision="32-true",
                                                                 recompute="full")).stages[0]
-    logits = 2 * 32 * config.vocab_size * 4
+    # the logits and their gradient in fp32, and two fp32 chunks of the loss (here the whole logits)
+    logits = 2 * 32 * config.vocab_size * 4 + 2 * 32 * config.vocab_size * 4
+    assert loss_activation_bytes(32, config.vocab_size, 4) == logits
+    # bf16: the logits and their gradient in bf16; three chunks of at most 2^24 logits in fp32
+    assert loss_activation_bytes(4096, 128_000, 2) == 2 * 4096 * 128_000 * 2 + 3 * (1 << 24) * 4
     layer = 32 * (4 * 64 + (6 * 16 + 5 * 64 + 4 * 128))
     assert replicate.activation_bytes == 4 * layer * 4 + logits
     # the logits are freed before the layers' backward; then one layer is recomputed at a time
