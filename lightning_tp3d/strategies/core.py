@@ -65,6 +65,7 @@ class ParallelCore:
         self.last_clip_norm: torch.Tensor | None = None
         self._layout: ParallelLayout | None = None
         self._mesh: DeviceMesh | None = None
+        self._groups: dict[str, torch.distributed.ProcessGroup] = {}
         self._parallelized: nn.Module | None = None
         self._model_adapter: ModelAdapter | None = None  # the parallel network's, read before it was split
         self._handover: GradientHandOver | None = None
@@ -113,6 +114,7 @@ class ParallelCore:
     def setup_mesh(self, world_size: int, device_type: str, timeout: timedelta | None) -> DeviceMesh:
         """The ("pp", "dp", "tp") mesh with `timeout` on every group; the preflight measurement if asked."""
         self._mesh = build_device_mesh(self.resolve_layout(world_size), device_type, timeout)
+        self._groups = {name: self._mesh[name].get_group() for name in self._mesh.mesh_dim_names}  # sliced once
         self._data_parallel = build_data_parallel(self._data_parallel_plan, self._mesh)
         if self.options.preflight and self.preflight_report is None:
             self.preflight_report = run_doctor(self.layout, self._mesh, sizes=(2**20,), iterations=3)
@@ -122,7 +124,7 @@ class ParallelCore:
         return self._mesh
 
     def group(self, name: str) -> torch.distributed.ProcessGroup:
-        return self.mesh[name].get_group()
+        return self._groups[name]  # slicing the mesh each time would read its rank table on the host
 
     def sampler_kwargs(self, global_rank: int) -> dict[str, Any]:
         return {"num_replicas": self.layout.data_parallel_size, "rank": self.layout.coordinates(global_rank).dp}

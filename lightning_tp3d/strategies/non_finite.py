@@ -5,7 +5,8 @@ a bad sample, the last pipeline stage computes the loss. Each rank therefore red
 
     bad = 1 if (loss is not finite) or (||g_local|| is not finite for some local gradient g) else 0
 
-with a MAX all-reduce over every process (the default group, so tp, pp and dp ranks all agree), and
+with a MAX all-reduce over every process (the default group, so tp, pp and dp ranks all agree), kept
+on the device until that reduced flag is read (the step's one host synchronisation), and
 when it is 1 no rank updates its parameters: the optimizer's `step` is not called (Adam's moments and
 step count stay as they were), the step-interval LR schedulers do not advance, and the gradients are
 dropped by the next `zero_grad`. A local norm is non-finite exactly when the global norm would be, so
@@ -56,14 +57,14 @@ class NonFiniteStepGuard:
 
         Raises `NonFiniteStepsError` on every rank when that makes `max_consecutive_skips` in a row.
         """
+        # the flag stays on the device until the all-reduced value is read: one host synchronisation a step
         bad = torch.zeros((), dtype=torch.float32, device=device)
-        if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
-            bad.fill_(1.0)
+        if loss is not None:
+            bad = torch.maximum(bad, (~torch.isfinite(loss.detach().float())).any().to(bad))
         local_gradients = [local_part(parameter.grad) for parameter in parameters if parameter.grad is not None]
         if local_gradients:
             norms = torch.stack([norm.float() for norm in foreach_norm(local_gradients)])
-            if not bool(torch.isfinite(norms).all()):
-                bad.fill_(1.0)
+            bad = torch.maximum(bad, (~torch.isfinite(norms)).any().to(bad))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.last_step_skipped = bool(bad.item())
