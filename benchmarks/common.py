@@ -57,6 +57,7 @@ class StepRecorder(Callback):
         self.seconds: list[float] = []
         self.losses: list[float] = []
         self.idle: list[float] = []
+        self.pipeline_steps: list[tuple[float, float]] = []  # (step, busy) seconds of `pipeline_timing`
         self.gradient_wait: list[float] = []  # host seconds the dp reduction took after backward
         self._started = 0.0
 
@@ -81,3 +82,4 @@ class StepRecorder(Callback):
         timing = getattr(trainer.strategy, "pipeline_timing", None)
         if timing is not None:
             self.idle.append(timing.idle_fraction)
+            self.pipeline_steps.append((timing.step_seconds, timing.busy_seconds))

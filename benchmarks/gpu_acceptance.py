@@ -24,7 +24,12 @@ Stages (each records `passed` in the JSON, with its figures):
    (`ledger.training_flops_per_token`), MFU against the device's dense peak for that precision
    (`dense_peak_tflops`: H100 / H200 SXM or NVL by device name, or `--peak-tflops`), and the peak
    allocated memory against `training_ledger`'s total for this layout.
-6. overhead (one device only): `--overhead-rounds` paired rounds of the throughput model under
+6. compile: `TP3DStrategy(compile=True)` (each block through `torch.compile`, inductor): the `tiny` model
+   in fp32 for `--parity-steps` steps compiled against the same steps eager through the strategy (target:
+   1e-4 on every loss, the compiled parity suite's bound) with no graph break (dynamo's counters); then the
+   throughput stage's model compiled: its figures, and compiled / eager median step time (issue target on
+   one H200: MFU >= 45% for the 1.1B model in bf16-mixed, peak / ledger <= 1.05).
+7. overhead (one device only): `--overhead-rounds` paired rounds of the throughput model under
    Lightning's own single-device strategy and under `TP3DStrategy` at (1, 1, 1), order alternating; the
    median of the per-round ratios of median step times (tp3d / Lightning).
 """
@@ -48,6 +53,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_tp3d import ModelConfig, TP3DStrategy
+from lightning_tp3d._compat.torch import dynamo_counters
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.diagnostics.consistency import exact_fp32_matmuls
 from lightning_tp3d.models import CausalLMModule
@@ -81,9 +87,9 @@ def dense_peak_tflops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def _strategy(args: argparse.Namespace) -> TP3DStrategy:
+def _strategy(args: argparse.Namespace, compiled: bool = False) -> TP3DStrategy:
     tp, pp, dp = args.layout
-    return TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
+    return TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, compile=compiled)
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -230,11 +236,11 @@ def _timed_fit(args: argparse.Namespace, strategy: Any, token_file: Path, warmup
     return recorder
 
 
-def throughput(args: argparse.Namespace, token_file: Path) -> dict[str, Any]:
+def throughput(args: argparse.Namespace, token_file: Path, compiled: bool = False) -> dict[str, Any]:
     config = _model_config(args.model)
     if args.accelerator == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    recorder = _timed_fit(args, _strategy(args), token_file, args.warmup, args.steps)
+    recorder = _timed_fit(args, _strategy(args, compiled), token_file, args.warmup, args.steps)
     step_seconds = statistics.median(recorder.seconds[args.warmup:])
     tokens_per_second = args.micro_batch * args.seq_len / step_seconds
     flops_per_token = training_flops_per_token(config, args.seq_len)
@@ -260,6 +266,26 @@ def throughput(args: argparse.Namespace, token_file: Path) -> dict[str, Any]:
         result["mfu"] = result["model_tflops_per_second_per_rank"] / peak_tflops
     result["passed"] = all(math.isfinite(loss) for loss in recorder.losses)
     return result
+
+
+def compiled(args: argparse.Namespace, token_file: Path, eager: dict[str, Any]) -> dict[str, Any]:
+    """Compiled against eager through the strategy: parity on the tiny model, then the throughput model."""
+    losses = {}
+    dynamo_counters().clear()
+    for compiled_blocks in (False, True):
+        recorder = StepRecorder()
+        trainer = benchmark_trainer(_devices(args), _strategy(args, compiled_blocks), args.parity_steps, [recorder],
+                                    args.accelerator, precision="32-true")
+        trainer.fit(CausalLMModule("tiny"), TokenDataModule(seq_len=64, batch_size=4))
+        losses[compiled_blocks] = recorder.losses
+    graph_breaks = dict(dynamo_counters()["graph_break"])
+    relative = max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False], strict=True))
+    run = throughput(args, token_file, compiled=True)
+    run.update({"parity_eager_losses": losses[False], "parity_compiled_losses": losses[True],
+                "parity_max_relative_difference": relative, "graph_breaks": graph_breaks,
+                "compiled / eager step": run["median_step_seconds"] / eager["median_step_seconds"]})
+    run["passed"] = run["passed"] and relative <= 1e-4 and not graph_breaks
+    return run
 
 
 def overhead(args: argparse.Namespace, token_file: Path) -> dict[str, Any]:
@@ -309,8 +335,9 @@ def main() -> None:
         vocab = _model_config(args.model).vocab_size
         np.save(token_file, np.random.default_rng(0).integers(0, vocab, tokens_needed, dtype=np.int64))
         results["throughput"] = throughput(args, token_file)
+        results["compile"] = compiled(args, token_file, results["throughput"])
         results["overhead"] = overhead(args, token_file)
-    stages = [name for name in ("parity", "autocast", "lifecycle", "timing", "throughput", "overhead")
+    stages = [name for name in ("parity", "autocast", "lifecycle", "timing", "throughput", "compile", "overhead")
               if "passed" in results[name]]
     results["passed"] = all(results[name]["passed"] for name in stages)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -320,6 +347,10 @@ def main() -> None:
         print(f"{run['parameters'] / 1e6:,.1f}M parameters, {args.precision}: {run['median_step_seconds'] * 1e3:.1f}"
               f" ms/step, {run['tokens_per_second_per_rank']:,.0f} tokens/s per rank"
               + (f", MFU {run['mfu']:.1%}" if "mfu" in run else ""))
+        run = results["compile"]
+        print(f"compiled: {run['median_step_seconds'] * 1e3:.1f} ms/step ({run['compiled / eager step']:.3f} of eager)"
+              + (f", MFU {run['mfu']:.1%}" if "mfu" in run else "")
+              + (f", peak / ledger {run['peak / ledger']:.3f}" if "peak / ledger" in run else ""))
         if "median_ratio" in results["overhead"]:
             print(f"step time tp3d / Lightning single device: {results['overhead']['median_ratio']:.3f} (rounds "
                   + ", ".join(f"{entry['ratio']:.3f}" for entry in results["overhead"]["rounds"]) + ")")

@@ -2,6 +2,7 @@
 
     python benchmarks/step_time.py            # 2 processes, CPU/gloo; prints a table and writes JSON
     python benchmarks/step_time.py --pairs compile --no-pipeline --output benchmarks/compile_cpu.json
+    python benchmarks/step_time.py --pairs --output benchmarks/pipeline_idle_cpu.json   # the pipeline table only
 
 Side by side in one session, same model, data and optimizer; a run's figure is its median step time
 over the steps after a warm-up (measured per rank from the start to the end of each training batch,
@@ -17,8 +18,10 @@ alternating) and reports the median over rounds of the per-round ratio candidate
   recompute repeats each block's forward in backward: (F + B + F) / (F + B) = 4/3 when B = 2F);
 * regional compilation: `compile=True` vs eager at tensor parallel 2 and at pipeline parallel 2 (1F1B,
   4 micro-batches); inductor compiles during the warm-up steps, which the medians leave out;
-* pipeline parallel 2: the idle fraction of each rank (`TP3DStrategy.pipeline_timing`) for GPipe and
-  1F1B at 2, 4 and 8 micro-batches vs the theoretical bubble (p - 1) / (m + p - 1).
+* pipeline parallel 2: each rank's idle fraction (`TP3DStrategy.pipeline_timing`: the step time outside
+  its stages' compute) for every schedule at 4 and 8 micro-batches, against the theoretical bubble
+  (p - 1) / (v m + p - 1) where it has that closed form (GPipe, 1F1B; interleaved 1F1B and looped BFS with
+  v = 2 stages per rank); the zero-bubble schedules' idle is reported without a theory.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_tp3d import TP3DStrategy
@@ -39,6 +43,7 @@ from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.models.adapter import llama_tp_plan
 from lightning_tp3d.parallel.tensor import apply_tensor_parallel
+from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, bubble_fraction
 
 from common import CONFIG, MACHINE, StepRecorder, benchmark_trainer
 
@@ -109,6 +114,26 @@ def _paired_rounds(make_baseline: Callable[[], Any], make_candidate: Callable[[]
             "rounds": pairs}
 
 
+def _pipeline_run(schedule: str, microbatches: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One pp = 2 run; per rank the medians (after warm-up) of the step and of its busy time, and the idle
+    share they give."""
+    looped = 2 if schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble") else 1
+    strategy = TP3DStrategy(pipeline_parallel_size=2, pipeline_schedule=schedule, num_microbatches=microbatches,
+                            stages_per_rank=looped)
+    timer = StepRecorder()
+    trainer = benchmark_trainer(2, strategy, args.steps, [timer])
+    trainer.fit(CausalLMModule(CONFIG), TokenDataModule(seq_len=args.seq_len, batch_size=args.batch))
+    steps = timer.pipeline_steps[3:]
+    step = statistics.median(seconds for seconds, _ in steps)
+    busy = statistics.median(busy for _, busy in steps)
+    part = {"step_seconds": step, "busy_seconds": busy, "idle_fraction": max(0.0, 1 - busy / step)}
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, part)
+    closed_form = schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
+    return {"ranks": ranks, "stages_per_rank": looped,
+            "theory_idle_fraction": bubble_fraction(2, microbatches, looped) if closed_form else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=13)
@@ -127,13 +152,9 @@ def main() -> None:
                                "paired": {name: _paired_rounds(*makers, args.rounds, args)
                                           for name, makers in chosen.items()},
                                "pipeline": {}}
-    for schedule in () if args.no_pipeline else ("gpipe", "1f1b"):
-        for microbatches in (2, 4, 8):
-            strategy = TP3DStrategy(pipeline_parallel_size=2, pipeline_schedule=schedule,
-                                    num_microbatches=microbatches)
-            run = _run(strategy, args.steps, args.batch, args.seq_len)
-            run["theory_idle_fraction"] = 1 / (microbatches + 1)
-            results["pipeline"][f"{schedule} m={microbatches}"] = run
+    for schedule in () if args.no_pipeline else PIPELINE_SCHEDULES:
+        for microbatches in (4, 8):
+            results["pipeline"][f"{schedule} m={microbatches}"] = _pipeline_run(schedule, microbatches, args)
     if torch.distributed.get_rank() != 0:
         return
     for name, result in results["paired"].items():
@@ -148,8 +169,11 @@ def main() -> None:
             print(f"{'':48s} dp reduction after backward: {result['median_gradient_wait_seconds'][0] * 1e3:.2f} ->"
                   f" {result['median_gradient_wait_seconds'][1] * 1e3:.2f} ms")
     for name, run in results["pipeline"].items():
-        print(f"pp=2 {name:12s} {run['median_step_seconds'] * 1e3:7.1f} ms  idle {run['idle_fraction']:.1%}"
-              f" (theory {run['theory_idle_fraction']:.1%})")
+        theory = run["theory_idle_fraction"]
+        for rank, part in enumerate(run["ranks"]):
+            print(f"pp=2 {name:28s} rank {rank}: {part['step_seconds'] * 1e3:6.1f} ms, busy"
+                  f" {part['busy_seconds'] * 1e3:6.1f} ms, idle {part['idle_fraction']:6.1%}"
+                  f" (theory {'-' if theory is None else f'{theory:.1%}'})")
     Path(args.output).write_text(json.dumps(results, indent=2))
 
 
