@@ -29,7 +29,10 @@ Stages (each records `passed` in the JSON, with its figures):
    1e-4 on every loss, the compiled parity suite's bound) with no graph break (dynamo's counters); then the
    throughput stage's model compiled: its figures, and compiled / eager median step time (issue target on
    one H200: MFU >= 45% for the 1.1B model in bf16-mixed, peak / ledger <= 1.05).
-7. overhead (one device only): `--overhead-rounds` paired rounds of the throughput model under
+7. float8: the throughput model with `float8="tensorwise"` and compiled blocks (torchao's Float8Linear;
+   FP8 matmuls need compute capability 8.9): its figures and FP8 / bf16 tokens per second against the
+   compile stage (issue target on one H200: >= 1.3x).
+8. overhead (one device only): `--overhead-rounds` paired rounds of the throughput model under
    Lightning's own single-device strategy and under `TP3DStrategy` at (1, 1, 1), order alternating; the
    median of the per-round ratios of median step times (tp3d / Lightning).
 """
@@ -87,9 +90,10 @@ def dense_peak_tflops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def _strategy(args: argparse.Namespace, compiled: bool = False) -> TP3DStrategy:
+def _strategy(args: argparse.Namespace, compiled: bool = False, float8: str | None = None) -> TP3DStrategy:
     tp, pp, dp = args.layout
-    return TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, compile=compiled)
+    return TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, compile=compiled,
+                        float8=float8)
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -236,11 +240,12 @@ def _timed_fit(args: argparse.Namespace, strategy: Any, token_file: Path, warmup
     return recorder
 
 
-def throughput(args: argparse.Namespace, token_file: Path, compiled: bool = False) -> dict[str, Any]:
+def throughput(args: argparse.Namespace, token_file: Path, compiled: bool = False,
+               float8: str | None = None) -> dict[str, Any]:
     config = _model_config(args.model)
     if args.accelerator == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    recorder = _timed_fit(args, _strategy(args, compiled), token_file, args.warmup, args.steps)
+    recorder = _timed_fit(args, _strategy(args, compiled, float8), token_file, args.warmup, args.steps)
     step_seconds = statistics.median(recorder.seconds[args.warmup:])
     tokens_per_second = args.micro_batch * args.seq_len / step_seconds
     flops_per_token = training_flops_per_token(config, args.seq_len)
@@ -285,6 +290,16 @@ def compiled(args: argparse.Namespace, token_file: Path, eager: dict[str, Any]) 
                 "parity_max_relative_difference": relative, "graph_breaks": graph_breaks,
                 "compiled / eager step": run["median_step_seconds"] / eager["median_step_seconds"]})
     run["passed"] = run["passed"] and relative <= 1e-4 and not graph_breaks
+    return run
+
+
+def float8(args: argparse.Namespace, token_file: Path, compiled_run: dict[str, Any]) -> dict[str, Any]:
+    """The throughput model in FP8 (tensorwise, compiled) against the compiled run in `--precision`."""
+    if args.accelerator == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        return {"skipped": f"{torch.cuda.get_device_name()} has no FP8 matmuls (compute capability < 8.9)"}
+    run = throughput(args, token_file, compiled=True, float8="tensorwise")
+    run["float8 / compiled tokens per second"] = (run["tokens_per_second_per_rank"]
+                                                  / compiled_run["tokens_per_second_per_rank"])
     return run
 
 
@@ -336,8 +351,10 @@ def main() -> None:
         np.save(token_file, np.random.default_rng(0).integers(0, vocab, tokens_needed, dtype=np.int64))
         results["throughput"] = throughput(args, token_file)
         results["compile"] = compiled(args, token_file, results["throughput"])
+        results["float8"] = float8(args, token_file, results["compile"])
         results["overhead"] = overhead(args, token_file)
-    stages = [name for name in ("parity", "autocast", "lifecycle", "timing", "throughput", "compile", "overhead")
+    stages = [name for name in ("parity", "autocast", "lifecycle", "timing", "throughput", "compile", "float8",
+                                "overhead")
               if "passed" in results[name]]
     results["passed"] = all(results[name]["passed"] for name in stages)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -351,6 +368,11 @@ def main() -> None:
         print(f"compiled: {run['median_step_seconds'] * 1e3:.1f} ms/step ({run['compiled / eager step']:.3f} of eager)"
               + (f", MFU {run['mfu']:.1%}" if "mfu" in run else "")
               + (f", peak / ledger {run['peak / ledger']:.3f}" if "peak / ledger" in run else ""))
+        if "passed" in results["float8"]:
+            run = results["float8"]
+            print(f"float8: {run['median_step_seconds'] * 1e3:.1f} ms/step, FP8 / compiled tokens per second"
+                  f" {run['float8 / compiled tokens per second']:.3f}"
+                  + (f", MFU {run['mfu']:.1%}" if "mfu" in run else ""))
         if "median_ratio" in results["overhead"]:
             print(f"step time tp3d / Lightning single device: {results['overhead']['median_ratio']:.3f} (rounds "
                   + ", ".join(f"{entry['ratio']:.3f}" for entry in results["overhead"]["rounds"]) + ")")

@@ -34,6 +34,7 @@ from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.models.families import ModelAdapterOption, check_model_adapter, resolve_model_adapter
 from lightning_tp3d.parallel.attributes import import_object
 from lightning_tp3d.parallel.compile import check_compile_schedule, compile_settings
+from lightning_tp3d.parallel.float8 import check_float8
 from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.parallel.tensor import resolve_tp_plan
 from lightning_tp3d.plan.data_parallel import choose_data_parallel
@@ -115,6 +116,9 @@ class ParallelOptions:
         " recompute, before FSDP (`parallel.compile`: one graph shared by the blocks, parameter names"
         " unchanged); a mapping is passed to torch.compile as keywords (backend, mode, fullgraph, dynamic,"
         " options).")
+    float8: Literal["tensorwise", "rowwise"] | None = _option(
+        None, "FP8 training of the blocks' linear layers with torchao's Float8Linear (`parallel.float8`):"
+        " \"tensorwise\" (at any layout) or \"rowwise\" (tp 1); refused on GPUs below compute capability 8.9.")
     pretrained: str | Path | None = _option(
         None, "a Hugging Face folder (safetensors) whose weights initialise the network after it is sharded, each"
         " rank reading only its own slices (a resumed checkpoint then overrides them).")
@@ -172,6 +176,7 @@ class ParallelOptions:
                 " which training stops); turn the check off with skip_non_finite_steps=False."
             )
         check_recompute_options(self.recompute, self.recompute_method, self.recompute_num_layers)
+        check_float8(self.float8, self.tensor_parallel_size)
         if self.pretrained is not None and not (self.pretrained / "config.json").is_file():
             raise FileNotFoundError(
                 f"pretrained={str(self.pretrained)!r} is not a Hugging Face folder (no config.json in it)."

@@ -1,6 +1,8 @@
 """`parallelize_network`: one network made parallel over the ("pp", "dp", "tp") mesh, in torchtitan's order.
 
     1. pipeline split      this rank's stages of the network (`parallel.pipeline.split`)
+       float8              the blocks' linear layers as torchao's Float8Linear (`parallel.float8`), whose
+                           weights the next steps shard like any linear layer's
     2. tensor parallel     DTensor weights over tp (`parallel.tensor`)
     3. recompute           activation checkpointing per block (`parallel.recompute`)
     4. compile             each block's forward through `torch.compile` (`parallel.compile`)
@@ -26,6 +28,7 @@ from lightning_tp3d.models.lora import check_peft_construction
 from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.compile import compile_blocks, warn_of_training_cache
 from lightning_tp3d.parallel.data_parallel import DataParallel
+from lightning_tp3d.parallel.float8 import check_float8_device, convert_blocks_to_float8
 from lightning_tp3d.parallel.materialize import materialize_network
 from lightning_tp3d.parallel.nf4 import check_quantized_base
 from lightning_tp3d.parallel.pipeline import (
@@ -66,6 +69,9 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
     elif config is not None:
         layout.validate_model(config)
     layers = _layers(network, adapter)  # this rank's blocks once split
+    if options.float8 is not None:
+        check_float8_device(options.float8, device)
+        convert_blocks_to_float8(indexed_blocks(layers).values(), options.float8)
     if layout.tensor_parallel_size > 1:
         apply_tensor_parallel(network, mesh["tp"], plan_entries_present(network, tp_plan))
     if options.recompute != "none":

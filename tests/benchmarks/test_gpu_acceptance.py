@@ -31,6 +31,7 @@ def test_acceptance_script_passes_every_stage_on_the_cpu(tmp_path):
     compiled = results["compile"]
     assert compiled["passed"] and compiled["graph_breaks"] == {} and len(compiled["parity_compiled_losses"]) == 2
     assert compiled["parity_max_relative_difference"] <= 1e-4 and compiled["compiled / eager step"] > 0
+    assert results["float8"]["passed"] and results["float8"]["float8 / compiled tokens per second"] > 0
     assert results["autocast"]["16-mixed"]["q_proj_output_dtypes"] == ["torch.float16"]
     lifecycle = results["lifecycle"]
     assert lifecycle["resumed_losses"] == lifecycle["straight_losses"][2:]
