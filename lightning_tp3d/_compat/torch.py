@@ -11,7 +11,7 @@ changed between the versions the package supports (`torch>=2.6`).
 * `local_shape_and_global_offset` (`torch.distributed.tensor._utils`): where a DTensor's shard sits in
   the global tensor.
 * `AsyncCollectiveTensor` (`torch.distributed._functional_collectives`): what a functional collective
-  returns before it is waited for; `wait_async_collective` (its `trigger_wait`) its value after the wait.
+  returns before it is waited for.
 * `process_group_options` (`torch._C._distributed_c10d.Backend.Options`, the NCCL options' `_timeout`):
   a timeout for every group of a device mesh.
 * `dynamo_counters` (`torch._dynamo.utils.counters`): what dynamo compiled (`stats.unique_graphs`) and
@@ -51,7 +51,6 @@ __all__ = [
     "recorded_collectives",
     "reduce_scatter_single",
     "unflatten_dense_tensors",
-    "wait_async_collective",
 ]
 
 TORCH_VERSION = version("torch")
@@ -78,11 +77,6 @@ def dynamo_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
-
-
-def wait_async_collective(tensor: AsyncCollectiveTensor) -> torch.Tensor:
-    """The collective's result as a plain tensor, waited for (once: a second call returns it again)."""
-    return tensor.trigger_wait()
 
 
 def loss_scale_tensor(scaler: Any) -> torch.Tensor | None:

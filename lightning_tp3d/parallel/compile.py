@@ -47,7 +47,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_tp3d._compat.torch import AsyncCollectiveTensor, wait_async_collective
+from lightning_tp3d._compat.torch import AsyncCollectiveTensor
 from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
 __all__ = ["COMPILE_KEYWORDS", "check_compile_schedule", "compile_blocks", "compile_settings", "warn_of_training_cache"]
@@ -114,7 +114,7 @@ class _WaitAsyncCollective(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        return wait_async_collective(tensor)
+        return tensor.wait()  # as the pipeline runner waits for the tp-gathered logits
 
     @staticmethod
     def backward(ctx: Any, gradient: torch.Tensor) -> torch.Tensor:

@@ -64,23 +64,18 @@ def check_float8_device(recipe: str | None, device: torch.device) -> None:
             " float8=None with bf16-mixed on this GPU.")
 
 
-def convert_blocks_to_float8(blocks: Iterable[nn.Module], recipe: str) -> int:
-    """Swap each block's eligible `nn.Linear` for a `Float8Linear` in place; returns how many were swapped."""
+def convert_blocks_to_float8(blocks: Iterable[nn.Module], recipe: str) -> None:
+    """Swap each block's eligible `nn.Linear` for a `Float8Linear` in place (see the module docstring)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    swapped = 0
-
-    def eligible(module: nn.Module, name: str) -> bool:
-        nonlocal swapped
-        take = isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
-        swapped += take
-        return take
-
     for block in blocks:
         _refuse_peft_layers(block)
-        convert_to_float8_training(block, module_filter_fn=eligible, config=config)
-    return swapped
+        convert_to_float8_training(block, module_filter_fn=_takes_float8, config=config)
+
+
+def _takes_float8(module: nn.Module, name: str) -> bool:
+    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
 def _refuse_peft_layers(block: nn.Module) -> None:
