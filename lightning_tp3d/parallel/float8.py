@@ -14,6 +14,9 @@ Recipes (`Float8LinearConfig.from_recipe_name`):
 * `"rowwise"`: one scale per row of each operand, E4M3 throughout, more accurate; refused under tensor
   parallelism (a row's scale would need the row whole: torchao's tp styles assume tensorwise).
 
+Precision: fp32 master weights, in `32-true` or under `bf16-mixed` autocast; `16-mixed` and the `-true`
+half precisions are refused (`check_float8_precision`).
+
 Scales are dynamic: the amax of each micro-batch's activations, so a run with another split of the batch
 (dp, micro-batches) rounds differently from one process on the whole batch; the parity tests compare
 with one process running the same splits.
@@ -33,7 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FLOAT8_RECIPES", "check_float8", "check_float8_device", "convert_blocks_to_float8"]
+__all__ = ["FLOAT8_PRECISIONS", "FLOAT8_RECIPES", "check_float8", "check_float8_device", "check_float8_precision",
+           "convert_blocks_to_float8"]
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 _MIN_CAPABILITY = (8, 9)
@@ -50,6 +54,20 @@ def check_float8(recipe: str | None, tensor_parallel_size: int) -> None:
             "float8='rowwise' cannot run with tensor_parallel_size > 1: a row's scale needs the whole row, and"
             " torchao's tensor-parallel FP8 assumes one scale per tensor. Use float8='tensorwise' with tp, or"
             " rowwise with tensor_parallel_size=1.")
+
+
+FLOAT8_PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def check_float8_precision(recipe: str | None, precision: str) -> None:
+    """FP8 runs with fp32 master weights, in fp32 or under bf16 autocast (how torchtitan and Megatron train
+    it, and what the parity tests cover); fp16 autocast's loss scaling and bf16 weights are refused."""
+    if recipe is None or precision in FLOAT8_PRECISIONS:
+        return
+    raise ValueError(
+        f"float8={recipe!r} with precision={precision!r} is not supported: FP8 training keeps fp32 master weights"
+        f" and runs under bf16 autocast (or fp32); FP8's own per-tensor scales already give the range fp16's loss"
+        f" scaling would. Use precision in {list(FLOAT8_PRECISIONS)} with float8, or float8=None.")
 
 
 def check_float8_device(recipe: str | None, device: torch.device) -> None:

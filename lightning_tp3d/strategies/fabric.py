@@ -105,7 +105,7 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self._setup_distributed_mesh()
 
     def _parallelize(self, module: nn.Module, _: Any) -> nn.Module:
-        check_supported_precision(self.precision.precision)
+        check_supported_precision(self.precision.precision, float8=self.core.options.float8)
         if self.core.parallelize(module, model_config(module), self._loss_scale, self.root_device):
             self.core.load_pretrained(module)
         self._network = module

@@ -28,6 +28,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.distributed.tensor import DTensor
 
 from lightning_tp3d._compat.torch import loss_scale_tensor, non_finite_check_and_unscale_
+from lightning_tp3d.parallel.float8 import check_float8_precision
 from lightning_tp3d.parallel.grad_norm import clip_grad_value_
 
 __all__ = ["ModelParallelGradScaler", "TP3DPrecision", "check_supported_precision", "current_loss_scale",
@@ -43,9 +44,12 @@ def current_loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | fl
     return scale if scale is not None else scaler.get_scale()
 
 
-def check_supported_precision(precision: str, scaler: Any = None, world_size: int = 1) -> None:
+def check_supported_precision(precision: str, scaler: Any = None, world_size: int = 1,
+                              float8: str | None = None) -> None:
     """Refuse the precisions no parity test covers: `16-true` (fp16 weights and optimizer state with no
-    loss scaling, whose small gradients underflow), and a loss scaler that checks each rank alone."""
+    loss scaling, whose small gradients underflow), a loss scaler that checks each rank alone, and FP8
+    outside fp32 / bf16 autocast (`parallel.float8.check_float8_precision`)."""
+    check_float8_precision(float8, precision)
     if scaler is not None and not isinstance(scaler, ModelParallelGradScaler) and world_size > 1:
         raise ValueError(
             f"The precision plugin's {type(scaler).__name__} checks for inf/nan on each rank alone, so ranks would"

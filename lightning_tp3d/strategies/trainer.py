@@ -196,7 +196,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         sharded."""
         assert self.model is not None
         check_supported_precision(self.precision_plugin.precision, getattr(self.precision_plugin, "scaler", None),
-                                  self.world_size)
+                                  self.world_size, self.core.options.float8)
         check_lightning_features(trainer.callbacks, self.core.data_parallel.shards_optimizers, self.layout,
                                  detects_anomaly(trainer))
         if isinstance(self.precision_plugin, TP3DPrecision):

@@ -4,7 +4,8 @@
   the losses of 4 steps and every gradient of the first step on every rank agree (`RTOL`):
   the reference decoder at (tp, pp, dp) = (2, 2, 1) 1F1B and (1, 2, 2) FSDP2, a `transformers` Llama at
   (2, 1, 2) with the overlapped replicate all-reduce, PEFT LoRA at (2, 2, 1) and QLoRA (a 4-bit NF4 base) at
-  (1, 2, 2) FSDP2, a Fabric loop at (1, 2, 2), and bf16-mixed at (1, 2, 2) FSDP2 (`BF16_RTOL`).
+  (1, 2, 2) FSDP2, a Fabric loop at (1, 2, 2), bf16-mixed at (1, 2, 2) FSDP2 and (2, 2, 1) 1F1B
+  (`BF16_RTOL`), and 16-mixed with the sharded loss scaler at (2, 1, 2) (`FP16_RTOL`).
 * Dynamo sees no graph break in the blocks (the package's hooks, TP redistributions and recompute trace
   whole) and compiles one forward graph for all blocks of a layout (two where the first block's input
   needs no gradient: the embedding of a LoRA model is frozen).
@@ -30,6 +31,10 @@ its end, so each of a block's ~12 rounded intermediates can differ by a unit, 3.
 and backward these add with random signs, ~sqrt(100) x 2e-3 ~ 2e-2 at the worst tensor: BF16_RTOL = 6e-2 on
 gradients (three times that), 1e-2 on losses (a mean over 8 x 16 tokens averages the roundings out). A
 defect of the kinds above moves gradients by O(1).
+
+Tolerance (16-mixed). The same count with fp16's half-unit, 2^-11 ~ 4.9e-4 (a unit 9.8e-4): ~sqrt(100) x
+4.9e-4 ~ 5e-3 at the worst tensor; FP16_RTOL = 8e-3 on gradients (the scaler's power of two cancels
+exactly), 1.5e-3 on losses. fp32 passes that, but bf16's roundings (3.9e-3 a unit) would not, nor a defect.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_tp3d import MODEL_PRESETS, TP3DFabricStrategy, TP3DStrategy
+from lightning_tp3d import MODEL_PRESETS, TP3DFabricStrategy, TP3DPrecision, TP3DStrategy
 from lightning_tp3d._compat.torch import dynamo_counters
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.io.checkpoint_format import load_model_tensors
@@ -68,6 +73,9 @@ pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not 
 
 RTOL = 1e-4
 BF16_RTOL, BF16_LOSS_RTOL = 6e-2, 1e-2
+FP16_RTOL, FP16_LOSS_RTOL = 8e-3, 1.5e-3
+TOLERANCES = {"32-true": (RTOL, RTOL), "bf16-mixed": (BF16_LOSS_RTOL, BF16_RTOL),
+              "16-mixed": (FP16_LOSS_RTOL, FP16_RTOL)}  # precision -> (losses, gradients)
 GLOBAL_BATCH = 8
 STEPS = 4
 SAVED_AT = 2
@@ -77,7 +85,9 @@ RUNS = {"tp2-pp2": ("decoder", 2, 2, "replicate", "32-true"),
         "hf-tp2-dp2-overlap": ("transformers", 2, 1, "replicate", "32-true"),
         "lora-tp2-pp2": ("lora", 2, 2, "replicate", "32-true"),
         "qlora-pp2-dp2-fsdp": ("qlora", 1, 2, "fsdp", "32-true"),
-        "pp2-dp2-fsdp-bf16": ("decoder", 1, 2, "fsdp", "bf16-mixed")}
+        "pp2-dp2-fsdp-bf16": ("decoder", 1, 2, "fsdp", "bf16-mixed"),
+        "tp2-pp2-bf16": ("decoder", 2, 2, "replicate", "bf16-mixed"),
+        "tp2-dp2-fp16": ("decoder", 2, 1, "replicate", "16-mixed")}
 FABRIC = "fabric-pp2-dp2"
 SAVING = "tp2-pp2"
 
@@ -108,9 +118,10 @@ def _fit(kind: str, tp: int, pp: int, mode: str, precision: str, compiled: bool,
     saving = ModelCheckpoint(dirpath=directory, every_n_train_steps=SAVED_AT, save_top_k=-1, filename="{step}")
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
                             data_parallel_mode=mode, compile=compiled)
+    # fp16 autocast with the loss scaler every rank agrees on (`strategies.precision`)
+    amp = {"plugins": [TP3DPrecision("16-mixed")]} if precision == "16-mixed" else {"precision": precision}
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, max_steps=STEPS, logger=logger,
-                                         callbacks=[capture, saving], enable_checkpointing=True,
-                                         precision=precision))
+                                         callbacks=[capture, saving], enable_checkpointing=True, **amp))
     dynamo_counters().clear()
     trainer.fit(_module(kind), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp),
                 ckpt_path=str(resume) if resume is not None else None)
@@ -175,8 +186,8 @@ def _relative(values: list[float], reference: list[float]) -> float:
 
 @pytest.mark.parametrize("name", [*RUNS, FABRIC])
 def test_compiled_training_equals_eager(runs, name):
-    bf16 = name in RUNS and RUNS[name][-1] == "bf16-mixed"
-    loss_rtol, gradient_rtol = (BF16_LOSS_RTOL, BF16_RTOL) if bf16 else (RTOL, RTOL)
+    precision = RUNS[name][-1] if name in RUNS else "32-true"
+    loss_rtol, gradient_rtol = TOLERANCES[precision]
     for rank in runs:
         eager, compiled = rank[name, False], rank[name, True]
         assert len(compiled["losses"]) == STEPS

@@ -16,11 +16,21 @@ flips; FP8 itself moves the gradients from the high-precision run's by more than
 0.11), so a run without FP8, or with another split of the batch, fails. Losses: LOSS_RTOL = 1e-3 (measured
 at most 6e-5 after 3 steps).
 
+bf16-mixed at tp > 1. Each tp rank rounds its row-parallel partial sums to bf16 before the all-reduce
+(one process rounds the whole sum once), so a cast's input differs from the reference's by up to two bf16
+half-units, 2^-8 relative. Such an input crosses an FP8 rounding boundary (spaced 2^-3 relative in E4M3,
+2^-2 in E5M2) with probability up to 2^-8 / 2^-3 = 1/32, and a crossing moves the element by a whole
+unit: norm-wise ~sqrt(1/32) x 2^-2 ~ 4e-2 per E5M2 cast, compounding through the blocks' backward
+(measured: 9.3e-2 at the worst tensor, where FP8 itself moves the gradients by 0.12). No split-matching
+reference can separate FP8 from that, so this run checks the composition, not FP8's rounding (the fp32
+runs do): BF16_TP_GRADIENT_RTOL = 0.3 (three times the measured worst) still fails a tp reduction lost
+(~0.5-0.7 of a gradient) or doubled (1.0); the loss, a mean over the batch's tokens, within 1e-2.
+
 Runs (tensorwise unless said, 3 steps): (2, 2, 1) 1F1B replicate, (1, 2, 2) FSDP2, (1, 1, 4) rowwise,
-(1, 2, 2) ZBV with FSDP2 and full recompute and DualPipeV with ZeRO-1 (split backward), a `transformers`
-Llama at (2, 2, 1), and bf16-mixed with compiled blocks at (1, 1, 4) against a compiled bf16 reference. Not at tp > 1 in
-bf16: each tp rank rounds its row-parallel partial sums to bf16 before the all-reduce, which moves FP8
-casts by whole units (as in the LoRA bf16 tests).
+(1, 2, 2) ZBV with FSDP2 and full recompute, DualPipeV with ZeRO-1 (split backward), interleaved 1F1B and
+looped BFS with FSDP2, a `transformers` Llama at (2, 2, 1), bf16-mixed with compiled blocks at (1, 1, 4)
+against a compiled bf16 reference, and bf16-mixed at (2, 2, 1). `16-mixed` and the half `-true`
+precisions are refused (`test_float8_options_are_checked`).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.parallel.attributes import indexed_blocks
 from lightning_tp3d.parallel.compile import compile_blocks
 from lightning_tp3d.parallel.float8 import check_float8_device, convert_blocks_to_float8
+from lightning_tp3d.strategies.precision import check_supported_precision
 from tests.distributed import run_distributed
 from tests.helpers import (
     LEARNING_RATE,
@@ -54,6 +65,7 @@ pytest.importorskip("torchao")
 pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
 
 GRADIENT_RTOL, LOSS_RTOL = 5e-2, 1e-3
+BF16_TP_GRADIENT_RTOL, BF16_TP_LOSS_RTOL = 0.3, 1e-2
 STEPS = 3
 GLOBAL_BATCH = 16
 MICROBATCHES = 2
@@ -66,6 +78,9 @@ RUNS: dict[str, tuple[int, int, str, str, dict[str, Any]]] = {
     "pp2-dp2-dualpipev-zero1": (1, 2, "zero1", "tensorwise", {"schedule": "dualpipev", "microbatches": 4}),
     "transformers-tp2-pp2": (2, 2, "replicate", "tensorwise", {"model": "transformers"}),
     "dp4-bf16-compiled": (1, 1, "replicate", "tensorwise", {"precision": "bf16-mixed", "compile": True}),
+    "pp2-dp2-interleaved-1f1b": (1, 2, "replicate", "tensorwise", {"schedule": "interleaved_1f1b", "microbatches": 4}),
+    "pp2-dp2-looped-bfs-fsdp": (1, 2, "fsdp", "tensorwise", {"schedule": "looped_bfs", "microbatches": 4}),
+    "tp2-pp2-bf16": (2, 2, "replicate", "tensorwise", {"precision": "bf16-mixed"}),
 }
 
 
@@ -157,17 +172,22 @@ def runs() -> list[dict[str, Any]]:
 def test_float8_training_equals_one_process_running_the_same_splits(runs, name):
     tp, pp, _, recipe, options = RUNS[name]
     dp, microbatches = 4 // (tp * pp), options.get("microbatches", MICROBATCHES) if pp > 1 else 1
-    reference, high_precision = (_reference(dp, microbatches, chosen, options) for chosen in (recipe, None))
-    assert worst_relative_difference(reference["first_grads"], high_precision["first_grads"]) > GRADIENT_RTOL
+    reference = _reference(dp, microbatches, recipe, options)
+    gradient_rtol, loss_rtol = GRADIENT_RTOL, LOSS_RTOL
+    if tp > 1 and options.get("precision") == "bf16-mixed":  # see the module docstring
+        gradient_rtol, loss_rtol = BF16_TP_GRADIENT_RTOL, BF16_TP_LOSS_RTOL
+    else:  # FP8 moves the gradients by more than the tolerance: a run without it fails
+        high_precision = _reference(dp, microbatches, None, options)
+        assert worst_relative_difference(reference["first_grads"], high_precision["first_grads"]) > gradient_rtol
     for rank in runs:
         result = rank[name]
         assert result["linear_types"] == ["Float8Linear"]  # every block projection converted
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
-                                   rtol=LOSS_RTOL, atol=0.0)
+                                   rtol=loss_rtol, atol=0.0)
         gradients = result["first_grads"]
         assert gradients and gradients.keys() <= reference["first_grads"].keys()
         expected = {key: reference["first_grads"][key] for key in gradients}
-        assert worst_relative_difference(gradients, expected) <= GRADIENT_RTOL, name
+        assert worst_relative_difference(gradients, expected) <= gradient_rtol, name
 
 
 def test_float8_options_are_checked(monkeypatch):
@@ -175,6 +195,11 @@ def test_float8_options_are_checked(monkeypatch):
         TP3DStrategy(tensor_parallel_size=2, float8="rowwise")
     with pytest.raises(ValueError, match=r"float8='e4m3' is not one of \['tensorwise', 'rowwise'\]"):
         TP3DStrategy(float8="e4m3")
+    for precision in ("16-mixed", "bf16-true", "16-true"):
+        with pytest.raises(ValueError, match=rf"float8='tensorwise' with precision='{precision}' is not supported:"
+                                             r" .* Use precision in \['32-true', 'bf16-mixed'\] with float8"):
+            check_supported_precision(precision, float8="tensorwise")
+    check_supported_precision("bf16-mixed", float8="rowwise")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(RuntimeError, match=r"NVIDIA A100-SXM4-80GB \(compute capability 8.0\) lacks: they need 8.9"):
