@@ -1,17 +1,17 @@
-"""lightning_tp3d: tensor x pipeline x data parallel training for Lightning, from layout to serving."""
+"""lightning_tp3d: tensor x pipeline x data parallel training for Lightning, from layout to serving.
 
+Importing the package imports neither torch nor Lightning (the planner is arithmetic): the names that
+need them load on first use, and the package connects itself to Lightning (the "tp3d" strategy name,
+checkpoint folders in `load_from_checkpoint`) as soon as Lightning is imported (`lightning_tp3d._connect`).
+"""
+
+from importlib import import_module
 from importlib.metadata import version
+from typing import Any
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-from lightning.pytorch.strategies import StrategyRegistry
-
-from lightning_tp3d._compat.lightning import quiet_known_deprecations, read_checkpoint_folders_with
-from lightning_tp3d.io.checkpoint_format import is_checkpoint_folder, read_lightning_checkpoint
+from lightning_tp3d._connect import connect, connect_when_lightning_is_imported
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout, RankCoordinates
-from lightning_tp3d.strategies import TP3DFabricStrategy, TP3DPrecision, TP3DStrategy
-from lightning_tp3d.strategies.features import UnsupportedFeatureError
-from lightning_tp3d.strategies.grad_norm import grad_norm
 
 __all__ = [
     "LayoutError",
@@ -27,13 +27,29 @@ __all__ = [
     "resolve_model_config",
 ]
 
-# `LightningModule.load_from_checkpoint(folder)` reads a checkpoint folder as Lightning's one-file checkpoint.
-read_checkpoint_folders_with(is_checkpoint_folder, read_lightning_checkpoint)
-quiet_known_deprecations()  # a Lightning / torch mismatch, harmless: `_compat.lightning`
-
 __version__ = version("lightning-tp3d")  # pyproject.toml is the one place the version is written
 
-if TP3DStrategy.strategy_name not in StrategyRegistry:
-    TP3DStrategy.register_strategies(StrategyRegistry)
-if "tp3d" not in FABRIC_STRATEGY_REGISTRY:
-    TP3DFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+# the public names that import torch and Lightning, and the module each comes from
+_LOADED_ON_USE = {
+    "TP3DFabricStrategy": "lightning_tp3d.strategies",
+    "TP3DPrecision": "lightning_tp3d.strategies",
+    "TP3DStrategy": "lightning_tp3d.strategies",
+    "UnsupportedFeatureError": "lightning_tp3d.strategies.features",
+    "grad_norm": "lightning_tp3d.strategies.grad_norm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LOADED_ON_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_LOADED_ON_USE[name]), name)
+    connect()
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+connect_when_lightning_is_imported()

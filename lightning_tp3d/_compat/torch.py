@@ -18,11 +18,14 @@ changed between the versions the package supports (`torch>=2.6`).
   where it broke a graph (`graph_break`), which `TP3DStrategy(compile=True)` is checked with.
 * `recorded_collectives` (`torch._C._distributed_c10d._dump_*_trace_json`): the flight recorder's
   entries, NCCL's or the generic one's (gloo).
+* `pipeline_orders` (a multi-stage schedule's `pipeline_order` and its `_Action`s, built from stand-in
+  stages): the order in which each rank runs its stages' actions, for the planner's timeline.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import timedelta
 from importlib.metadata import version
 from typing import Any
@@ -47,6 +50,7 @@ __all__ = [
     "local_shape_and_global_offset",
     "loss_scale_tensor",
     "non_finite_check_and_unscale_",
+    "pipeline_orders",
     "process_group_options",
     "recorded_collectives",
     "reduce_scatter_single",
@@ -111,3 +115,36 @@ def recorded_collectives() -> list[dict[str, Any]]:
         if entries:
             return entries
     return []
+
+
+def pipeline_orders(schedule_class: str, pp_size: int, num_microbatches: int,
+                    stage_indices: Sequence[Sequence[int]]) -> dict[int, list[tuple[str, int, int]]]:
+    """Each rank's compute actions under torch's multi-stage schedule `schedule_class` (e.g.
+    "Interleaved1F1B"), as (kind, stage, micro-batch) with kind F, B, I or W; an overlapped forward and
+    backward (DualPipeV) is its forward then its backward. `stage_indices[r]`: the stages rank r runs.
+
+    torch computes the orders for every rank in the schedule's constructor (`pipeline_order`), from its
+    stages' indices and group size alone, so stand-ins carrying those build it without processes or
+    modules (read from torch 2.13)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    num_stages = sum(map(len, stage_indices))
+    stages = [_OrderOnlyStage(index, num_stages, pp_size) for index in stage_indices[0]]
+    schedule = get_schedule_class(schedule_class)(stages, num_microbatches)
+    orders: dict[int, list[tuple[str, int, int]]] = {}
+    for rank, actions in schedule.pipeline_order.items():
+        flat = [part for action in actions if action is not None
+                for part in (action.sub_actions if action.sub_actions is not None else (action,))]
+        orders[rank] = [(part.computation_type.value, part.stage_index, part.microbatch_index) for part in flat]
+    return orders
+
+
+class _OrderOnlyStage:
+    """What a torch schedule's constructor reads of its stages to compute the pipeline order."""
+
+    def __init__(self, stage_index: int, num_stages: int, pp_size: int) -> None:
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.group_size, self.group_rank = pp_size, 0
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.submod = None
+        self.stage_index_to_group_rank: dict[int, int] = {}

@@ -33,10 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_tp3d.cli.plan import SERVING_DTYPE, plan_parser
-from lightning_tp3d.io.checkpoint_format import CheckpointError
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.units import parse_size
-from lightning_tp3d.strategies.features import UnsupportedFeatureError
 
 __all__ = ["main"]
 
@@ -45,8 +43,9 @@ def _export_parser(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("checkpoint", help="a lightning_tp3d checkpoint folder (any layout)")
     export.add_argument("output", help="the Hugging Face folder to write")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    export.add_argument("--deploy-tp", type=int, default=None, metavar="N",
-                        help="also write per-rank folders for an N-way tensor-parallel server")
+    export.add_argument("--deploy-tp", type=int, nargs="+", default=None, metavar="N",
+                        help="also write per-rank folders for an N-way tensor-parallel server (one folder per N,"
+                             " OUTPUT-deploy-tpN)")
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     export.add_argument("--overwrite", action="store_true",
                         help="replace OUTPUT even if it holds files that are not an earlier export")
@@ -76,9 +75,8 @@ def _run_export(args: argparse.Namespace) -> int:
                                deploy_tp=args.deploy_tp, overwrite=args.overwrite, verify=not args.no_verify,
                                base=args.base)
     print(f"wrote {result.folder}: {len(result.files)} file(s), {result.total_bytes:,} bytes of {args.dtype} tensors")
-    if result.deploy_folder is not None:
-        print(f"wrote {result.deploy_folder}: {args.deploy_tp} rank folders (vllm: --tensor-parallel-size"
-              f" {args.deploy_tp})")
+    for size, folder in zip(args.deploy_tp or (), result.deploy_folders, strict=True):
+        print(f"wrote {folder}: {size} rank folders (vllm: --tensor-parallel-size {size})")
     return 0
 
 
@@ -157,6 +155,7 @@ def _verify_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_verify(args: argparse.Namespace) -> int:
     """Every file against its recorded SHA-256, and the DCP index read safely, without loading a model."""
     from lightning_tp3d.io.checkpoint_format import (
+        CheckpointError,
         check_shard_files,
         checkpoint_folder,
         read_index,
@@ -239,12 +238,22 @@ _LIGHTNING_SUBCOMMANDS = {"fit": "train a model (LightningCLI: tp3d fit --config
                           "test": "run the test loop (LightningCLI)",
                           "predict": "run the prediction loop (LightningCLI)"}
 _PACKAGE = Path(__file__).resolve().parents[1]
+_REFUSAL_MODULES = {"lightning_tp3d.io.checkpoint_format": "CheckpointError",
+                    "lightning_tp3d.strategies.features": "UnsupportedFeatureError"}
+
+
+def _refusal_types() -> tuple[type[BaseException], ...]:
+    """The package's own error types: `LayoutError`, and those of the modules this command imported (one
+    not imported raised nothing; importing it here would cost the planning path its start-up time)."""
+    loaded = (sys.modules.get(module) for module in _REFUSAL_MODULES)
+    return (LayoutError, *(getattr(module, name) for module, name in zip(loaded, _REFUSAL_MODULES.values(),
+                                                                        strict=True) if module is not None))
 
 
 def _raised_here(error: BaseException) -> bool:
     """Whether `error` is this package's own refusal (a layout, option, feature or checkpoint error), not one
     raised in a user's module or a library, whose traceback the user needs."""
-    if isinstance(error, (LayoutError, CheckpointError, UnsupportedFeatureError)):
+    if isinstance(error, _refusal_types()):
         return True
     frames = traceback.extract_tb(error.__traceback__)
     return isinstance(error, ValueError) and bool(frames) and Path(frames[-1].filename).is_relative_to(_PACKAGE)
@@ -257,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             return run_lightning_cli(argv)
-        except (ValueError, CheckpointError) as error:
+        except (ValueError, RuntimeError) as error:  # CheckpointError is a RuntimeError
             if not _raised_here(error):
                 raise
             print(f"tp3d {argv[0]}: error: {error}", file=sys.stderr)
@@ -274,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (LayoutError, ValueError, FileNotFoundError, FileExistsError, KeyError, CheckpointError) as error:
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and not isinstance(error, _refusal_types()):
+            raise
         print(f"tp3d {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from lightning_tp3d.plan.ledger import (
 )
 from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from lightning_tp3d.plan.qlora import NF4_FORMAT, NF4Format
-from lightning_tp3d.plan.schedules import bubble_fraction
+from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, schedule_bubble_fraction
 from lightning_tp3d.plan.units import parse_size
 
 __all__ = ["SERVING_DTYPE", "plan_parser"]
@@ -45,6 +45,12 @@ SERVING_DTYPE = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-tr
 _OOM_RETRY_UTILIZATION = 0.85  # the design documents' first step when a server does not start
 _MICROBATCHES_PER_STAGE = 4  # m >= 4 x pp keeps the GPipe / 1F1B bubble under 20%
 _GPUS_PER_NODE = 8  # when --gpus-per-node is not given: which groups cross nodes
+# `plan.schedules.schedule_bubble_fraction` in words (v: stages per rank)
+_BUBBLE_FORMULAS = {"gpipe": "(pp - 1) / (m + pp - 1)", "1f1b": "(pp - 1) / (m + pp - 1)",
+                    "interleaved_1f1b": "(pp - 1) / (v m + pp - 1)", "looped_bfs": "(pp - 1) / (v m + pp - 1)",
+                    "interleaved_zero_bubble": "(pp - 1) / (3 v m + pp - 1)",
+                    "zbv_zero_bubble": "(pp - 1) / (3 v m + pp - 1), v = 2",
+                    "dualpipev": "(pp - 1) / (3 v m + pp - 1), v = 2"}
 
 
 def _unit(largest: int) -> tuple[str, int]:
@@ -58,7 +64,7 @@ def _sequence_length(args: argparse.Namespace, config: ModelConfig) -> tuple[int
     if args.seq_len is None:
         length = min(_DEFAULT_SEQ_LEN, positions)
         capped = length < _DEFAULT_SEQ_LEN
-        return length, f" (the model's {positions} positions; --seq-len to choose)" if capped else ""
+        return length, f"\n(the model's {positions} positions; --seq-len to choose)" if capped else ""
     if args.seq_len > positions:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings={positions};"
                          " train at most that many tokens per sequence.")
@@ -76,7 +82,8 @@ def plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--gradient-accumulation-steps", type=int, default=1)
     plan.add_argument("--seq-len", type=int, default=None,
                       help=f"tokens per sequence (default {_DEFAULT_SEQ_LEN}, or the model's positions if fewer)")
-    plan.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16-mixed")
+    plan.add_argument("--precision", choices=sorted(PRECISIONS), default="32-true",
+                      help="the Trainer's precision (default 32-true, as the Trainer's; GPUs train bf16-mixed)")
     plan.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
     plan.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform",
                       help="uniform: every N-th layer; block: the first N layers of each stage")
@@ -90,8 +97,12 @@ def plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--qlora", action="store_true",
                       help="QLoRA (with --lora-rank): the blocks' projections frozen in 4-bit NF4 (blocks of 64"
                            " weights, 256 scales per factor), tp 1")
-    plan.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
-                      help="1f1b needs num_microbatches >= pp; about 4 x pp keeps the bubble near 20%%")
+    plan.add_argument("--schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b",
+                      help="the pipeline schedule (TP3DStrategy's pipeline_schedule); all but gpipe and looped_bfs"
+                           " need num_microbatches >= pp, dualpipev 2 x pp")
+    plan.add_argument("--stages-per-rank", type=int, default=2, metavar="V",
+                      help="stages on each rank for interleaved_1f1b, looped_bfs and interleaved_zero_bubble"
+                           " (default 2; the V-shaped zbv_zero_bubble and dualpipev always run 2)")
     plan.add_argument("--gpus-per-node", type=int, default=None,
                       help="GPUs in a node: tp must divide it (tp groups stay on a node's NVLink)")
     plan.add_argument("--serve-seq-len", type=int, default=None, help="serving sequence length (default: --seq-len)")
@@ -173,8 +184,8 @@ def _given_bandwidths(args: argparse.Namespace) -> dict[str, float]:
 
 
 def _communication_lines(ledger: CommunicationLedger, bandwidth: dict[str, float]) -> list[str]:
-    lines = ["communication per step and rank (payload: tensors handed to collectives, sent: ring bytes on the"
-             " wire; lightning_tp3d.plan.communication)",
+    lines = ["communication per step and rank (lightning_tp3d.plan.communication)",
+             "(payload: the tensors handed to collectives; sent: the ring algorithm's bytes on the wire)",
              f"{'stage':>5} {'group':>5} {'calls':>7} {'payload MB':>11} {'sent MB':>10} {'GB/s':>7} {'ms':>9}"
              f" {'hideable ms':>11}"]
     for stage in range(len(ledger.stages)):
@@ -219,8 +230,10 @@ def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
         return 0 if fitting else 1
     print(f"{args.model} on {args.gpus} GPUs of {cluster.gpu_memory_bytes / _GIB:.0f} GiB"
           f" ({cluster.gpus_per_node} per node), global batch {args.global_batch_size} x {args.seq_len} tokens")
-    print(f"{args.precision}{_lora_words(args)}, {args.gpu_tflops:g} TFLOPS at MFU {args.mfu}: {len(candidates)}"
-          f" layouts, {len(fitting)} fit in {cluster.usable_fraction:.0%} of the memory")
+    words = f"{args.precision}{_lora_words(args)}, {args.gpu_tflops:g} TFLOPS at MFU {args.mfu}:"
+    separator = " " if len(words) < 50 else "\n"  # a LoRA description pushes the counts to their own line
+    print(f"{words}{separator}{len(candidates)} layouts, {len(fitting)} fit in"
+          f" {cluster.usable_fraction:.0%} of the memory")
     if not fitting:
         print("no layout fits: add GPUs, use fsdp or recompute, or a shorter sequence")
         return 1
@@ -266,20 +279,25 @@ def _run_plan(args: argparse.Namespace) -> int:
     )
     options = TrainingOptions(seq_len=args.seq_len, precision=args.precision, recompute=args.recompute,
                               data_parallel_mode=args.dp_mode, schedule=args.schedule,
-                              recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+                              stages_per_rank=args.stages_per_rank, recompute_method=args.recompute_method,
+                              recompute_num_layers=args.recompute_num_layers,
                               lora_rank=args.lora_rank, lora_targets=tuple(args.lora_targets), qlora=_qlora(args))
     if args.gpus_per_node is not None:
         layout.validate_cluster(args.gpus_per_node)
     training = training_ledger(config, layout, options)
     serving = serving_ledger(config, args.serve_seq_len or args.seq_len, args.serve_num_seqs, args.serve_dtype)
-    bubble = bubble_fraction(layout.pipeline_parallel_size, layout.num_microbatches)
+    bubble = schedule_bubble_fraction(args.schedule, layout.pipeline_parallel_size, layout.num_microbatches,
+                                      args.stages_per_rank)
     communication = communication_ledger(config, layout, options)
     bandwidth = group_bandwidths(layout, args.gpus_per_node or _GPUS_PER_NODE, given_gbps=_given_bandwidths(args))
     if args.plot:
-        from lightning_tp3d.cli.plots import plot_memory
+        from lightning_tp3d.cli.plots import plot_memory, schedule_timeline
 
+        timeline = (schedule_timeline(args.schedule, layout.pipeline_parallel_size, layout.num_microbatches,
+                                      args.stages_per_rank) if layout.pipeline_parallel_size > 1 else ())
         plot_memory(training, serving, parse_size(args.gpu_memory), args.plot,
-                    f"{args.model} at tp={args.tp} pp={args.pp} dp={args.dp}, {args.precision}, {args.seq_len} tokens")
+                    f"{args.model} at tp={args.tp} pp={args.pp} dp={args.dp}, {args.precision}, {args.seq_len} tokens",
+                    timeline=timeline, schedule=args.schedule)
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": config.to_dict(), "training": training.to_dict(), "serving": serving.to_dict(),
@@ -304,25 +322,30 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"{_lora_words(args)[2:]}: trainable parameters per rank {trainable}; the rest frozen{base}"
               " (weights only, no gradients or optimizer state)")
     unit, scale = _unit(training.peak_stage.total_bytes)
-    print(f"{'stage':>5} {'layers':>9} {'params/rank':>14} {'weights':>9} {'grads':>9} {'optim':>9} "
-          f"{'activ':>9} {'total ' + unit:>9}")
+    layers = {stage.stage: ",".join(f"{start}-{stop - 1}" for start, stop in stage.layer_spans)
+              for stage in training.stages}
+    width = max(9, *map(len, layers.values()))
+    print(f"{'stage':>5} {'layers':>{width}} {'params/rank':>14} {'weights':>9} {'grads':>9} {'optim':>9} "
+          f"{'activ':>9} {'total ' + unit:>9} {'mb':>5}")
     for stage in training.stages:
-        layers = f"{stage.first_layer}-{stage.first_layer + stage.num_layers - 1}"
         sizes = (stage.weight_bytes, stage.gradient_bytes, stage.optimizer_bytes, stage.activation_bytes,
                  stage.total_bytes)
-        print(f"{stage.stage:>5} {layers:>9} {stage.parameters:>14,} "
-              + " ".join(f"{size / scale:9.2f}" for size in sizes))
+        print(f"{stage.stage:>5} {layers[stage.stage]:>{width}} {stage.parameters:>14,} "
+              + " ".join(f"{size / scale:9.2f}" for size in sizes) + f" {stage.in_flight_microbatches:>5g}")
+    print("(stage: a pp rank and its blocks; mb: the micro-batches whose activations it holds at once)")
     print(f"peak per rank: {training.peak_stage.total_bytes / scale:.2f} {unit} (stage {training.peak_stage.stage})")
     pp, m = layout.pipeline_parallel_size, layout.num_microbatches
     if pp > 1:
-        advice = "" if m >= _MICROBATCHES_PER_STAGE * pp else (
-            f"; num_microbatches >= {_MICROBATCHES_PER_STAGE} x pp = {_MICROBATCHES_PER_STAGE * pp} brings it to"
-            f" {bubble_fraction(pp, _MICROBATCHES_PER_STAGE * pp):.0%}")
-        print(f"pipeline bubble: (pp - 1) / (m + pp - 1) = {bubble:.0%} of each step{advice}")
+        more = _MICROBATCHES_PER_STAGE * pp
+        print(f"pipeline bubble in theory ({args.schedule}): {_BUBBLE_FORMULAS[args.schedule]}\n"
+              f"  = {bubble:.0%} of each step")
+        if m < more:
+            print(f"  num_microbatches >= {_MICROBATCHES_PER_STAGE} x pp = {more} brings it to"
+                  f" {schedule_bubble_fraction(args.schedule, pp, more, args.stages_per_rank):.0%}")
     print("\n".join(_communication_lines(communication, bandwidth)))
     unit, scale = _unit(max(serving.kv_bytes_total, *(option.weight_bytes_per_gpu for option in serving.options
                                                        if option.valid)))
-    print(f"serving {serving.dtype}, pipeline stages merged: KV cache {serving.kv_bytes_per_token:,} B/token,"
+    print(f"serving {serving.dtype}, pipeline stages merged:\nKV cache {serving.kv_bytes_per_token:,} B/token,"
           f" {serving.kv_bytes_per_sequence / scale:.2f} {unit} per {serving.seq_len}-token sequence,"
           f" {serving.kv_bytes_total / scale:.2f} {unit} for {serving.num_seqs} sequences")
     print(f"{'deploy tp':>9} {'weights/GPU ' + unit:>16} {'KV B/token/GPU':>15}  note")

@@ -23,7 +23,7 @@ Example usage::
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +56,7 @@ class ExportResult:
     folder: Path
     files: tuple[str, ...]
     total_bytes: int
-    deploy_folder: Path | None = None
+    deploy_folders: tuple[Path, ...] = ()  # one per deploy tp size, in the order asked
 
 
 def export_checkpoint(
@@ -64,7 +64,7 @@ def export_checkpoint(
     output: str | Path,
     dtype: str = "fp32",
     max_shard_size: str | int = "5GB",
-    deploy_tp: int | None = None,
+    deploy_tp: int | Sequence[int] | None = None,
     overwrite: bool = False,
     verify: bool = True,
     base: str | Path | None = None,
@@ -79,9 +79,10 @@ def export_checkpoint(
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(EXPORT_DTYPES)}.")
     checkpoint, output = Path(checkpoint), Path(output)
+    deploy_sizes = (deploy_tp,) if isinstance(deploy_tp, int) else tuple(deploy_tp or ())
     check_output_folder(output, HF_EXPORT, overwrite)
-    if deploy_tp is not None:
-        check_output_folder(deploy_folder(output, deploy_tp), DEPLOY_SHARDS, overwrite)
+    for size in deploy_sizes:
+        check_output_folder(deploy_folder(output, size), DEPLOY_SHARDS, overwrite)
     reader = ModelTensorReader(checkpoint, verify)  # checked once, then read one tensor at a time
     meta = reader.meta
     if meta.frozen_weights is not None and base is None:
@@ -96,8 +97,8 @@ def export_checkpoint(
             " Hugging Face config.json cannot be written."
         )
     config = ModelConfig.from_dict(meta.model_config)
-    if deploy_tp is not None:
-        check_deploy_tp(config, deploy_tp)
+    for size in deploy_sizes:
+        check_deploy_tp(config, size)
     prefix = meta.network_prefix
     shapes = {name.removeprefix(prefix): tuple(shape) for name, (shape, _) in reader.shapes.items()
               if name.startswith(prefix)}
@@ -112,10 +113,9 @@ def export_checkpoint(
 
         result = _write_merged(output, meta, shapes | (frozen.shapes if frozen is not None else {}), read, checkpoint,
                                config, dtype, max_shard_size)
-    if deploy_tp is not None:
-        deploy = write_deploy_shards(output, deploy_tp, max_shard_size=max_shard_size, overwrite=overwrite)
-        result = ExportResult(result.folder, result.files, result.total_bytes, deploy)
-    return result
+    deploys = tuple(write_deploy_shards(output, size, max_shard_size=max_shard_size, overwrite=overwrite)
+                    for size in deploy_sizes)
+    return ExportResult(result.folder, result.files, result.total_bytes, deploys)
 
 
 def _write_merged(output: Path, meta: CheckpointMeta, shapes: dict[str, tuple[int, ...]],

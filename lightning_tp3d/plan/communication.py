@@ -21,8 +21,10 @@ tp (Megatron's count, per micro-batch and pass, k m passes per step):
               all-reduce, not the MLP's: the recomputation (non-reentrant checkpoint) stops as soon as the
               tensors backward needs exist, before the layer's last all-reduce.
 pp (per micro-batch, k m per step): a stage that is not last sends its b s h output forward; a stage
-    that is not first sends the b s h input gradient back. So first and last stages send k m b s h
-    elements, middle stages 2 k m b s h.
+    that is not first sends the b s h input gradient back. So under GPipe and 1F1B first and last stages
+    send k m b s h elements, middle stages 2 k m b s h; a rank holding several stages sends for each but
+    to a stage on the same rank (`plan.schedules.pipeline_sends`). The head's terms go to the rank that
+    holds the last stage (rank 0 in a V-shaped schedule).
 dp `replicate`: the stage's gradients, P_i, all-reduced once per step: in buckets of at most 25 MiB
     during backward without pipelining (`parallel.data_parallel.overlap`: parameters packed in reverse order, a
     bucket closed when the next one would overflow it), else in one flat all-reduce after backward.
@@ -68,6 +70,7 @@ from lightning_tp3d.plan.lora import lora_layer_shapes
 from lightning_tp3d.plan.optimizer_sharding import pack_buckets, part_sizes
 from lightning_tp3d.plan.qlora import QUANTIZED_LAYER_WEIGHTS, NF4Format, nf4_all_gather_bytes
 from lightning_tp3d.plan.recompute import recomputed_layers
+from lightning_tp3d.plan.schedules import rank_stages
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, LAYER_WEIGHTS, WeightSplit
 
 __all__ = ["BUCKET_BYTES", "DEFAULT_LINKS_GBPS", "GROUPS", "CommunicationLedger", "Transfer",
@@ -235,11 +238,13 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
     stages: list[list[Transfer]] = []
     data_parallel = options.data_parallel(layout)
     reduction = data_parallel.reduction
-    for stage, layers in enumerate(layout.stage_layer_ranges(config.num_hidden_layers)):
-        first, last = stage == 0, stage == pp - 1
+    for held in rank_stages(options.schedule, layout, options.stages_per_rank, config.num_hidden_layers):
+        first, last = held.first, held.last
+        layers = [index for layer_range in held.layer_ranges for index in layer_range]
         recomputed = 0
         if options.recompute == "full":
-            recomputed = len(recomputed_layers([layers], options.recompute_method, options.recompute_num_layers))
+            recomputed = len(recomputed_layers(held.layer_ranges, options.recompute_method,
+                                               options.recompute_num_layers))
         transfers: list[Transfer] = []
         if tp > 1:
             transfers.append(Transfer("tp", "all_reduce", passes * (2 * len(layers) + recomputed), tokens * h, low,
@@ -251,8 +256,7 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
             if last:
                 transfers.append(Transfer("tp", "all_gather", passes, tokens * vocab // tp, low, "logits"))
         if pp > 1:
-            sends = (not last) + (not first)
-            transfers.append(Transfer("pp", "send", passes * sends, tokens * h, stream,
+            transfers.append(Transfer("pp", "send", passes * held.sends, tokens * h, stream,
                                       "activations forward, their gradients back", hideable=True))
         if dp > 1:
             before = [EMBEDDING] if first else []  # registered before the blocks, and after them

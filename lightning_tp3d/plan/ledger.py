@@ -48,6 +48,7 @@ dim (a d = h), V vocab, L layers, t tp, s sequence length, b micro-batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -58,7 +59,7 @@ from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, check_lora_options, l
 from lightning_tp3d.plan.loss import loss_activation_bytes
 from lightning_tp3d.plan.qlora import TENSOR_PARALLEL_REASON, NF4Format, quantized_layer
 from lightning_tp3d.plan.recompute import check_recompute_options, recomputed_layers
-from lightning_tp3d.plan.schedules import stages_per_rank_of
+from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, activations_in_flight, rank_stages
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, layer_parameters_per_rank, parameters_per_rank
 
 __all__ = [
@@ -93,7 +94,8 @@ class TrainingOptions:
     precision: str = "bf16-mixed"
     recompute: Literal["none", "full", "selective"] = "none"
     data_parallel_mode: Literal["replicate", "fsdp", "zero1"] = "replicate"
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    schedule: str = "1f1b"  # any of `plan.schedules.PIPELINE_SCHEDULES`
+    stages_per_rank: int = 2  # the looped schedules' stages per rank (V-shaped ones have 2)
     recompute_method: Literal["uniform", "block"] = "uniform"
     recompute_num_layers: int = 1
     fsdp_reshard_after_forward: bool | None = None  # None: yes without pipelining, no under it
@@ -110,8 +112,8 @@ class TrainingOptions:
         check_lora_options(self.lora_rank, tuple(self.lora_targets))
         if self.qlora is not None and not self.lora_rank:
             raise ValueError("qlora needs lora_rank > 0: QLoRA trains LoRA factors on a frozen 4-bit base.")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"schedule={self.schedule!r} is not one of ['1f1b', 'gpipe'].")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of {list(PIPELINE_SCHEDULES)}.")
         if self.seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {self.seq_len}.")
 
@@ -132,7 +134,8 @@ class StageLedger:
     gradient_bytes: int
     optimizer_bytes: int
     activation_bytes: int
-    in_flight_microbatches: int
+    layer_spans: tuple[tuple[int, int], ...]  # [start, stop) of each of the rank's stages
+    in_flight_microbatches: float  # micro-batches through all of the rank's layers (`activations_in_flight`)
     gathered_weight_bytes: int = 0
     trainable_parameters: int | None = None  # None: all of `parameters`; a LoRA fine-tune's factors
 
@@ -193,8 +196,6 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
     """Per-stage memory of one rank for training `config` at `layout` (see the module docstring)."""
     layout.validate_model(config)
     tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
-    if pp > 1:
-        stages_per_rank_of(options.schedule, pp, layout.num_microbatches, 1)  # 1F1B: m >= pp
     if options.qlora and tp > 1:
         raise LayoutError(f"qlora at tensor_parallel_size={tp}: {TENSOR_PARALLEL_REASON}")
     weight, gradient, optimizer, activation = PRECISIONS[options.precision]
@@ -218,9 +219,10 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
         return (elements - blocks * nf4[0]) * weight + blocks * nf4[1]
 
     stages = []
-    for stage, layers in enumerate(layout.stage_layer_ranges(config.num_hidden_layers)):
-        first, last = stage == 0, stage == pp - 1
-        parameters = len(layers) * (layer_parameters_per_rank(config, tp) + lora_layer)
+    for stage, rank in enumerate(rank_stages(options.schedule, layout, options.stages_per_rank,
+                                             config.num_hidden_layers)):
+        layers, first, last, num_layers = rank.layer_ranges, rank.first, rank.last, rank.num_layers
+        parameters = num_layers * (layer_parameters_per_rank(config, tp) + lora_layer)
         if first:
             parameters += parameters_per_rank(EMBEDDING, config, tp)
         if last:
@@ -229,23 +231,24 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
                 parameters += parameters_per_rank(HEAD, config, tp)
         recomputed = 0
         if options.recompute != "none":
-            recomputed = len(recomputed_layers([layers], options.recompute_method, options.recompute_num_layers))
-        elements = (len(layers) - recomputed) * full_layer + recomputed * kept_when_recomputed
+            recomputed = len(recomputed_layers(layers, options.recompute_method, options.recompute_num_layers))
+        elements = (num_layers - recomputed) * full_layer + recomputed * kept_when_recomputed
         logits_bytes = loss_activation_bytes(s * b, config.vocab_size, activation) if last else 0
         recompute_bytes = (full_layer - kept_when_recomputed) * activation if recomputed else 0
         activation_bytes = elements * activation + max(logits_bytes, recompute_bytes)
-        in_flight = 1 if pp == 1 else (m if options.schedule == "gpipe" else min(m, pp - stage))
-        trainable = len(layers) * lora_layer if options.lora_rank else parameters
+        in_flight = activations_in_flight(options.schedule, pp, stage, m, options.stages_per_rank)
+        trainable = num_layers * lora_layer if options.lora_rank else parameters
         local, trainable_local = -(-parameters // shard), -(-trainable // shard)
         optimizer_local = -(-trainable // data_parallel.optimizer_shards)
         gathered = 0
         if shard > 1:
             gathered = (2 * weight_bytes(layer_parameters_per_rank(config, tp) + lora_layer, 1, whole)
-                        if data_parallel.reshard_after_forward else weight_bytes(parameters, len(layers), whole))
+                        if data_parallel.reshard_after_forward else weight_bytes(parameters, num_layers, whole))
         stages.append(StageLedger(
-            stage=stage, first_layer=layers.start, num_layers=len(layers), parameters=parameters,
-            weight_bytes=weight_bytes(local, len(layers), held), gradient_bytes=trainable_local * gradient,
-            optimizer_bytes=optimizer_local * optimizer, activation_bytes=activation_bytes * in_flight,
+            stage=stage, first_layer=layers[0].start, num_layers=num_layers, parameters=parameters,
+            layer_spans=tuple((layer_range.start, layer_range.stop) for layer_range in layers),
+            weight_bytes=weight_bytes(local, num_layers, held), gradient_bytes=trainable_local * gradient,
+            optimizer_bytes=optimizer_local * optimizer, activation_bytes=math.ceil(activation_bytes * in_flight),
             in_flight_microbatches=in_flight, gathered_weight_bytes=gathered,
             trainable_parameters=trainable if options.lora_rank else None,
         ))

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["PIPELINE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "PipelinePlan",
-           "bubble_fraction", "fsdp_reshards_after_forward", "plan_pipeline",
-           "stages_per_rank_of"]
+__all__ = ["PIPELINE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "PipelinePlan", "RankStages", "activations_in_flight",
+           "bubble_fraction", "fsdp_reshards_after_forward", "pipeline_sends", "plan_pipeline",
+           "rank_stages", "schedule_bubble_fraction", "stages_per_rank_of"]
 
 # user-facing name -> torch schedule class name
 PIPELINE_SCHEDULES: dict[str, str] = {
@@ -92,6 +93,93 @@ def bubble_fraction(pp_size: int, num_microbatches: int, stages_per_rank: int = 
     if pp_size <= 1:
         return 0.0
     return (pp_size - 1) / (stages_per_rank * num_microbatches + pp_size - 1)
+
+
+@dataclass(frozen=True)
+class RankStages:
+    """What one pp rank holds under a schedule (`rank_stages`)."""
+
+    layer_ranges: tuple[range, ...]  # its stages' layers
+    first: bool  # holds the first stage (the embedding)
+    last: bool  # holds the last stage (the final norm and the head: rank 0 in a V)
+    sends: int  # point-to-point sends per micro-batch (`pipeline_sends`)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(map(len, self.layer_ranges))
+
+
+def rank_stages(schedule: str, layout: Any, stages_per_rank: int, num_layers: int) -> list[RankStages]:
+    """Per pp rank of `layout` (a `ParallelLayout`), what it holds under `schedule`."""
+    pp, m = layout.pipeline_parallel_size, layout.num_microbatches
+    if pp == 1:
+        return [RankStages(tuple(layout.stage_layer_ranges(num_layers)), True, True, 0)]
+    plans = [plan_pipeline(schedule, pp, rank, m, stages_per_rank,
+                           lambda stages: layout.stage_layer_ranges(num_layers, stages)) for rank in range(pp)]
+    return [RankStages(plan.layer_ranges, 0 in plan.stage_indices, plan.num_stages - 1 in plan.stage_indices,
+                       pipeline_sends(plan)) for plan in plans]
+
+
+def schedule_bubble_fraction(schedule: str, pp_size: int, num_microbatches: int, stages_per_rank: int = 2) -> float:
+    """The idle share of a step in theory, each stage's forward F, input gradient I and weight gradient W
+    taking equal time (the zero-bubble papers' assumption; a whole backward B = I + W), p ranks, m
+    micro-batches, v stages per rank (2 in a V):
+
+        gpipe, 1f1b                (p - 1) / (m + p - 1)      fill and drain of (p - 1)(F + B)
+        interleaved_1f1b,          (p - 1) / (v m + p - 1)    stages 1 / v as long (Narayanan et al.
+        looped_bfs                                            2021; Lamy-Poirier 2023, breadth-first)
+        interleaved_zero_bubble,   (p - 1) / (3 v m + p - 1)  the drain filled with W: (p - 1) F of idle
+        zbv_zero_bubble, dualpipev                            (ZB-H1, Qi et al. 2024)
+
+    These are exactly what torch's orders of the seven schedules give when simulated with those durations
+    (`plan.timeline`, tested). ZB-V's and DualPipe's papers reach 0 by also moving W into the fill and
+    overlapping a forward with a backward, which torch's orders (run one action at a time) do not; real F,
+    I and W differ and each action has its overhead (measured on the CPU:
+    `benchmarks/pipeline_idle_cpu.json`)."""
+    if pp_size <= 1:
+        return 0.0
+    per_rank = stages_per_rank_of(schedule, pp_size, num_microbatches, stages_per_rank)
+    chunk_units = 3 if schedule in SPLIT_BACKWARD_SCHEDULES else 1
+    return bubble_fraction(pp_size, chunk_units * num_microbatches, per_rank)
+
+
+def activations_in_flight(schedule: str, pp_size: int, pp_rank: int, num_microbatches: int,
+                          stages_per_rank: int = 2) -> float:
+    """The most micro-batches whose activations rank `pp_rank` holds at once, in units of one micro-batch
+    through all of the rank's layers (a rank's v stages hold 1 / v of them each):
+
+        gpipe, looped_bfs        m                            every forward before the first backward
+        1f1b                     min(m, p - r)                the warm-up's forwards and one more
+        interleaved_1f1b,        min(v m, (v - 1) p + 2 (p - 1 - r) + 1) / v   torch's warm-up chunks
+        interleaved_zero_bubble                               and one more (Megatron's p (1 + (p-1)/(p v))
+                                                              at rank 0)
+        zbv_zero_bubble          min(m, p)                    ZB-V: 1F1B's peak, on every rank
+        dualpipev                min(m, p + 1)                DualPipe's table: PP + 1 per device
+    """
+    if pp_size <= 1:
+        return 1.0
+    per_rank = stages_per_rank_of(schedule, pp_size, num_microbatches, stages_per_rank)
+    m, p = num_microbatches, pp_size
+    if schedule in ("gpipe", "looped_bfs"):
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, p - pp_rank))
+    if schedule == "zbv_zero_bubble":
+        return float(min(m, p))
+    if schedule == "dualpipev":
+        return float(min(m, p + 1))
+    chunks = min(per_rank * m, (per_rank - 1) * p + 2 * (p - 1 - pp_rank) + 1)
+    return chunks / per_rank
+
+
+def pipeline_sends(plan: PipelinePlan) -> int:
+    """Point-to-point sends of a rank per micro-batch: each of its stages sends its output forward unless
+    it is the last stage and its input gradient back unless it is the first, except to a stage on the
+    same rank (the V's turn, stages p - 1 and p on rank p - 1), which is handed over locally."""
+    held = set(plan.stage_indices)
+    forward = sum(stage + 1 < plan.num_stages and stage + 1 not in held for stage in held)
+    backward = sum(stage > 0 and stage - 1 not in held for stage in held)
+    return forward + backward
 
 
 def fsdp_reshards_after_forward(choice: bool | None, schedule: str, pp_size: int) -> bool:

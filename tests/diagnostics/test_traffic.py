@@ -2,7 +2,8 @@
 
 On 4 processes, the second training step of the tiny model (b = 8 per dp rank, s = 16, fp32) is
 recorded (`RecordTraffic`: flight recorder + wrapped sends) at (tp, pp, dp) = (2, 1, 2) replicate and
-(1, 2, 2) FSDP with m = 2 and m = 8, and compared with `communication_ledger` for the rank's stage
+(1, 2, 2) FSDP with m = 2 and m = 8, (2, 2, 1) interleaved 1F1B and (1, 2, 2) DualPipeV (two stages per
+rank; the V's turn is handed over on its rank, unsent), and compared with `communication_ledger` for the rank's stage
 (gloo: FSDP2's reduce-scatter is an all-reduce of the same payload): every (group, operation, payload,
 element size) with its number of calls. Under pipelining FSDP2 gathers each unit once per step, so the
 parameter all-gathers are the same at m = 2 and m = 8 while the pp sends grow with m; with
@@ -28,17 +29,18 @@ from tests.distributed import run_distributed
 from tests.helpers import SEQ_LEN, trainer_kwargs
 
 BATCH = 8  # per dp rank and step
-# tp, pp, dp, m, dp mode ("fsdp-reshard": fsdp_reshard_after_forward=True)
-LAYOUTS = [(2, 1, 2, 1, "replicate"), (1, 2, 2, 2, "fsdp"), (1, 2, 2, 8, "fsdp"), (1, 2, 2, 2, "fsdp-reshard"),
-           (2, 1, 2, 1, "zero1")]
+# tp, pp, dp, m, dp mode ("fsdp-reshard": fsdp_reshard_after_forward=True), pipeline schedule
+LAYOUTS = [(2, 1, 2, 1, "replicate", "1f1b"), (1, 2, 2, 2, "fsdp", "1f1b"), (1, 2, 2, 8, "fsdp", "1f1b"),
+           (1, 2, 2, 2, "fsdp-reshard", "1f1b"), (2, 1, 2, 1, "zero1", "1f1b"),
+           (2, 2, 1, 2, "replicate", "interleaved_1f1b"), (1, 2, 2, 4, "replicate", "dualpipev")]
 
 
-def _measure(tp: int, pp: int, dp: int, m: int, mode: str) -> dict[str, Any]:
+def _measure(tp: int, pp: int, dp: int, m: int, mode: str, schedule: str) -> dict[str, Any]:
     record = RecordTraffic()
     trainer = L.Trainer(**trainer_kwargs(
         devices=4, max_steps=2, logger=False, callbacks=[record],
         strategy=TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=m,
-                              data_parallel_mode=mode.removesuffix("-reshard"),
+                              pipeline_schedule=schedule, data_parallel_mode=mode.removesuffix("-reshard"),
                               fsdp_reshard_after_forward=mode.endswith("-reshard") or None)))
     trainer.fit(CausalLMModule("tiny"), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=BATCH))
     return {"stage": trainer.strategy.layout.coordinates(trainer.global_rank).pp,
@@ -54,17 +56,18 @@ def measured() -> list[list[dict[str, Any]]]:
     return run_distributed(4, "tests.diagnostics.test_traffic:run_world")
 
 
-def _ledger(tp: int, pp: int, dp: int, m: int, mode: str) -> CommunicationLedger:
+def _ledger(tp: int, pp: int, dp: int, m: int, mode: str, schedule: str) -> CommunicationLedger:
     layout = ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
                             micro_batch_size=BATCH // m, num_microbatches=m)
     options = TrainingOptions(seq_len=SEQ_LEN, precision="32-true", data_parallel_mode=mode.removesuffix("-reshard"),
+                              schedule=schedule,
                               fsdp_reshard_after_forward=mode.endswith("-reshard") or None)
     return communication_ledger(resolve_model_config("tiny"), layout, options, backend="gloo")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("index", range(len(LAYOUTS)),
-                         ids=[f"{t}x{p}x{d} m={m} {mode}" for t, p, d, m, mode in LAYOUTS])
+                         ids=[f"{t}x{p}x{d} m={m} {mode} {schedule}" for t, p, d, m, mode, schedule in LAYOUTS])
 def test_measured_traffic_equals_the_ledger_on_every_rank(measured, index):
     expected = _ledger(*LAYOUTS[index])
     for rank in measured:

@@ -204,9 +204,22 @@ def test_invalid_deploy_tp_is_refused(exported, capsys):
     with pytest.raises(ValueError, match=r"--deploy-tp 3 is not valid for this model: 3 does not divide"
                                          r" num_attention_heads=4"):
         write_deploy_shards(directory / "hf", 3)
-    assert tp3d(["export", str(directory / "final.ckpt"), str(directory / "unused"), "--deploy-tp", "8"]) == 2
-    error = capsys.readouterr().err
-    assert "--deploy-tp 8 is not valid for this model: 8 does not divide num_attention_heads=4" in error
+    for sizes in (["8"], ["2", "8"]):  # every size is checked before anything is written
+        assert tp3d(["export", str(directory / "final.ckpt"), str(directory / "unused"), "--deploy-tp", *sizes]) == 2
+        error = capsys.readouterr().err
+        assert "--deploy-tp 8 is not valid for this model: 8 does not divide num_attention_heads=4" in error
+        assert not (directory / "unused").exists() and not (directory / "unused-deploy-tp2").exists()
+
+
+def test_export_writes_the_deploy_shards_of_every_size_asked(exported, tmp_path, capsys):
+    """`--deploy-tp N [N ...]`, as `tp3d plan --deploy-tp` takes it: one folder per size."""
+    _, directory = exported
+    assert tp3d(["export", str(directory / "final.ckpt"), str(tmp_path / "hf"), "--deploy-tp", "2", "4"]) == 0
+    out = capsys.readouterr().out
+    for size in (2, 4):
+        folder = tmp_path / f"hf-deploy-tp{size}"
+        assert f"wrote {folder}: {size} rank folders (vllm: --tensor-parallel-size {size})" in out
+        assert sorted(path.name for path in folder.glob("rank-*")) == [f"rank-{rank:02d}" for rank in range(size)]
 
 
 def test_export_never_deletes_a_folder_it_did_not_write(exported, tmp_path, capsys):

@@ -18,7 +18,7 @@ GIB = 1024**3
 
 def test_advisor_ranks_valid_layouts_and_the_best_fits_by_the_ledger(capsys):
     assert main(["plan", "deepseek-llm-7b", "--gpus", "64", "--gpu-memory", "80GiB", "--gpus-per-node", "8",
-                 "--global-batch-size", "512", "--json"]) == 0
+                 "--global-batch-size", "512", "--precision", "bf16-mixed", "--json"]) == 0
     candidates = json.loads(capsys.readouterr().out)
     assert len(candidates) > 20
     for candidate in candidates:
@@ -44,7 +44,7 @@ def test_advisor_table_names_why_each_layout_wins_or_loses(capsys):
     column explained, and for each layout the columns in which it differs from the best (`--wide`: with the
     seconds of every part, and the part that grows most); `--json` carries the same."""
     args = ["plan", "deepseek-llm-67b", "--gpus", "32", "--gpu-memory", "80GiB", "--top", "5",
-            "--global-batch-size", "512"]
+            "--global-batch-size", "512", "--precision", "bf16-mixed"]
     assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "168 layouts, 33 fit in 90% of the memory" in lines[1]  # replicate, zero1, fsdp, fsdp resharding

@@ -54,7 +54,7 @@ def test_groups_inside_a_node_and_their_bandwidths():
 
 def test_plan_json_and_table_carry_the_communication_ledger(tmp_path, capsys):
     arguments = ["plan", "deepseek-llm-7b", "--tp", "8", "--pp", "4", "--dp", "2", "--num-microbatches", "8",
-                 "--seq-len", "4096"]
+                 "--seq-len", "4096", "--precision", "bf16-mixed"]
     assert main([*arguments, "--bandwidth", "tp=200", "--json"]) == 0
     communication = json.loads(capsys.readouterr().out)["communication"]
     stage = communication["stages"][1]["per_group"]
