@@ -2,8 +2,9 @@
 
 On 4 processes, the second training step of the tiny model (b = 8 per dp rank, s = 16, fp32) is
 recorded (`RecordTraffic`: flight recorder + wrapped sends) at (tp, pp, dp) = (2, 1, 2) replicate and
-(1, 2, 2) FSDP with m = 2 and m = 8, (2, 2, 1) interleaved 1F1B and (1, 2, 2) DualPipeV (two stages per
-rank; the V's turn is handed over on its rank, unsent), and compared with `communication_ledger` for the rank's stage
+(1, 2, 2) FSDP with m = 2 and m = 8, (2, 2, 1) interleaved 1F1B, (1, 2, 2) DualPipeV, interleaved 1F1B
+with FSDP2 and ZBV with ZeRO-1 (two stages per rank; the V's turn is handed over on its rank, unsent), and
+compared with `communication_ledger` for the rank's stage
 (gloo: FSDP2's reduce-scatter is an all-reduce of the same payload): every (group, operation, payload,
 element size) with its number of calls. Under pipelining FSDP2 gathers each unit once per step, so the
 parameter all-gathers are the same at m = 2 and m = 8 while the pp sends grow with m; with
@@ -32,7 +33,8 @@ BATCH = 8  # per dp rank and step
 # tp, pp, dp, m, dp mode ("fsdp-reshard": fsdp_reshard_after_forward=True), pipeline schedule
 LAYOUTS = [(2, 1, 2, 1, "replicate", "1f1b"), (1, 2, 2, 2, "fsdp", "1f1b"), (1, 2, 2, 8, "fsdp", "1f1b"),
            (1, 2, 2, 2, "fsdp-reshard", "1f1b"), (2, 1, 2, 1, "zero1", "1f1b"),
-           (2, 2, 1, 2, "replicate", "interleaved_1f1b"), (1, 2, 2, 4, "replicate", "dualpipev")]
+           (2, 2, 1, 2, "replicate", "interleaved_1f1b"), (1, 2, 2, 4, "replicate", "dualpipev"),
+           (1, 2, 2, 4, "fsdp", "interleaved_1f1b"), (1, 2, 2, 4, "zero1", "zbv_zero_bubble")]
 
 
 def _measure(tp: int, pp: int, dp: int, m: int, mode: str, schedule: str) -> dict[str, Any]:
