@@ -9,7 +9,7 @@ from importlib import import_module
 from importlib.metadata import version
 from typing import Any
 
-from lightning_tp3d._connect import connect, connect_when_lightning_is_imported
+from lightning_tp3d._connect import connect_when_lightning_is_imported
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout, RankCoordinates
 
@@ -42,8 +42,7 @@ _LOADED_ON_USE = {
 def __getattr__(name: str) -> Any:
     if name not in _LOADED_ON_USE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_LOADED_ON_USE[name]), name)
-    connect()
+    value = getattr(import_module(_LOADED_ON_USE[name]), name)  # connects to Lightning if it is the first
     globals()[name] = value
     return value
 

@@ -10,8 +10,8 @@ strategies, which may be what imported Lightning):
 
 * at `import lightning_tp3d` when Lightning came first;
 * otherwise at the end of `import lightning`, or of the outermost import of one of the package's modules
-  during which Lightning was imported (`from lightning_tp3d.models import CausalLMModule`), or at the
-  first use of a package name that needs Lightning (`lightning_tp3d.TP3DStrategy`).
+  during which Lightning was imported (`from lightning_tp3d.models import CausalLMModule`, and the first
+  use of a package name that needs Lightning, `lightning_tp3d.TP3DStrategy`, which imports its module).
 
 `ImportWatcher`, a finder on `sys.meta_path`, sees those imports end: it finds each module with the
 finders after it and wraps the loader so that it counts the nesting and calls `connect` at the outermost
@@ -27,14 +27,10 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
-__all__ = ["ImportWatcher", "connect", "connect_when_lightning_is_imported", "is_connected"]
+__all__ = ["ImportWatcher", "connect", "connect_when_lightning_is_imported"]
 
 _PACKAGE = __name__.rpartition(".")[0]
 _connected = False
-
-
-def is_connected() -> bool:
-    return _connected
 
 
 def connect() -> None:

@@ -245,9 +245,8 @@ _REFUSAL_MODULES = {"lightning_tp3d.io.checkpoint_format": "CheckpointError",
 def _refusal_types() -> tuple[type[BaseException], ...]:
     """The package's own error types: `LayoutError`, and those of the modules this command imported (one
     not imported raised nothing; importing it here would cost the planning path its start-up time)."""
-    loaded = (sys.modules.get(module) for module in _REFUSAL_MODULES)
-    return (LayoutError, *(getattr(module, name) for module, name in zip(loaded, _REFUSAL_MODULES.values(),
-                                                                        strict=True) if module is not None))
+    return (LayoutError, *(getattr(sys.modules[module], name) for module, name in _REFUSAL_MODULES.items()
+                           if module in sys.modules))
 
 
 def _raised_here(error: BaseException) -> bool:

@@ -32,7 +32,7 @@ from lightning_tp3d.plan.ledger import (
 )
 from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from lightning_tp3d.plan.qlora import NF4_FORMAT, NF4Format
-from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, schedule_bubble_fraction
+from lightning_tp3d.plan.schedules import BUBBLE_FORMULAS, PIPELINE_SCHEDULES, schedule_bubble_fraction
 from lightning_tp3d.plan.units import parse_size
 
 __all__ = ["SERVING_DTYPE", "plan_parser"]
@@ -45,12 +45,6 @@ SERVING_DTYPE = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-tr
 _OOM_RETRY_UTILIZATION = 0.85  # the design documents' first step when a server does not start
 _MICROBATCHES_PER_STAGE = 4  # m >= 4 x pp keeps the GPipe / 1F1B bubble under 20%
 _GPUS_PER_NODE = 8  # when --gpus-per-node is not given: which groups cross nodes
-# `plan.schedules.schedule_bubble_fraction` in words (v: stages per rank)
-_BUBBLE_FORMULAS = {"gpipe": "(pp - 1) / (m + pp - 1)", "1f1b": "(pp - 1) / (m + pp - 1)",
-                    "interleaved_1f1b": "(pp - 1) / (v m + pp - 1)", "looped_bfs": "(pp - 1) / (v m + pp - 1)",
-                    "interleaved_zero_bubble": "(pp - 1) / (3 v m + pp - 1)",
-                    "zbv_zero_bubble": "(pp - 1) / (3 v m + pp - 1), v = 2",
-                    "dualpipev": "(pp - 1) / (3 v m + pp - 1), v = 2"}
 
 
 def _unit(largest: int) -> tuple[str, int]:
@@ -322,8 +316,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"{_lora_words(args)[2:]}: trainable parameters per rank {trainable}; the rest frozen{base}"
               " (weights only, no gradients or optimizer state)")
     unit, scale = _unit(training.peak_stage.total_bytes)
-    layers = {stage.stage: ",".join(f"{start}-{stop - 1}" for start, stop in stage.layer_spans)
-              for stage in training.stages}
+    layers = {stage.stage: stage.layers_text for stage in training.stages}
     width = max(9, *map(len, layers.values()))
     print(f"{'stage':>5} {'layers':>{width}} {'params/rank':>14} {'weights':>9} {'grads':>9} {'optim':>9} "
           f"{'activ':>9} {'total ' + unit:>9} {'mb':>5}")
@@ -337,7 +330,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     pp, m = layout.pipeline_parallel_size, layout.num_microbatches
     if pp > 1:
         more = _MICROBATCHES_PER_STAGE * pp
-        print(f"pipeline bubble in theory ({args.schedule}): {_BUBBLE_FORMULAS[args.schedule]}\n"
+        print(f"pipeline bubble in theory ({args.schedule}): {BUBBLE_FORMULAS[args.schedule]}\n"
               f"  = {bubble:.0%} of each step")
         if m < more:
             print(f"  num_microbatches >= {_MICROBATCHES_PER_STAGE} x pp = {more} brings it to"

@@ -81,8 +81,7 @@ def plot_memory(training: TrainingLedger, serving: ServingLedger, gpu_memory_byt
         _draw_timeline(bottom_figure.subplots(), timeline, len(training.stages), schedule)
     else:
         train_axes, serve_axes = figure.subplots(1, 2, width_ratios=ratios)
-    stages = [f"stage {stage.stage}\nlayers " + ",".join(f"{start}-{stop - 1}" for start, stop in stage.layer_spans)
-              for stage in training.stages]
+    stages = [f"stage {stage.stage}\nlayers {stage.layers_text}" for stage in training.stages]
     bottom = [0.0] * len(stages)
     for label, field in _TRAINING_PARTS:
         heights = [getattr(stage, field) / _GIB for stage in training.stages]

@@ -140,6 +140,11 @@ class StageLedger:
     trainable_parameters: int | None = None  # None: all of `parameters`; a LoRA fine-tune's factors
 
     @property
+    def layers_text(self) -> str:
+        """The rank's blocks, e.g. "0-2,15-18" (one range per stage it holds)."""
+        return ",".join(f"{start}-{stop - 1}" for start, stop in self.layer_spans)
+
+    @property
     def total_bytes(self) -> int:
         return (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
                 + self.gathered_weight_bytes)

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PIPELINE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "PipelinePlan", "RankStages", "activations_in_flight",
-           "bubble_fraction", "fsdp_reshards_after_forward", "pipeline_sends", "plan_pipeline",
-           "rank_stages", "schedule_bubble_fraction", "stages_per_rank_of"]
+__all__ = ["BUBBLE_FORMULAS", "PIPELINE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "PipelinePlan", "RankStages",
+           "activations_in_flight", "bubble_fraction", "fsdp_reshards_after_forward", "pipeline_sends",
+           "plan_pipeline", "rank_stages", "schedule_bubble_fraction", "stages_per_rank_of"]
 
 # user-facing name -> torch schedule class name
 PIPELINE_SCHEDULES: dict[str, str] = {
@@ -118,6 +118,14 @@ def rank_stages(schedule: str, layout: Any, stages_per_rank: int, num_layers: in
                            lambda stages: layout.stage_layer_ranges(num_layers, stages)) for rank in range(pp)]
     return [RankStages(plan.layer_ranges, 0 in plan.stage_indices, plan.num_stages - 1 in plan.stage_indices,
                        pipeline_sends(plan)) for plan in plans]
+
+
+# `schedule_bubble_fraction` in words (v: stages per rank)
+BUBBLE_FORMULAS = {"gpipe": "(pp - 1) / (m + pp - 1)", "1f1b": "(pp - 1) / (m + pp - 1)",
+                   "interleaved_1f1b": "(pp - 1) / (v m + pp - 1)", "looped_bfs": "(pp - 1) / (v m + pp - 1)",
+                   "interleaved_zero_bubble": "(pp - 1) / (3 v m + pp - 1)",
+                   "zbv_zero_bubble": "(pp - 1) / (3 v m + pp - 1), v = 2",
+                   "dualpipev": "(pp - 1) / (3 v m + pp - 1), v = 2"}
 
 
 def schedule_bubble_fraction(schedule: str, pp_size: int, num_microbatches: int, stages_per_rank: int = 2) -> float:
