@@ -28,6 +28,8 @@ PIPELINE_SCHEDULES: dict[str, str] = {
 }
 _LOOPED = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble"}
 _V_SHAPED = {"zbv_zero_bubble", "dualpipev"}
+# torch's interleaved schedules split the micro-batches into max(1, m // p) equal rounds
+_IN_ROUNDS = {"interleaved_1f1b", "interleaved_zero_bubble"}
 # Schedules that compute weight gradients in a pass of their own, after the input gradients.
 SPLIT_BACKWARD_SCHEDULES = frozenset({"interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"})
 # Schedules that run the first backward before all forwards are done need one micro-batch per stage.
@@ -57,6 +59,13 @@ def stages_per_rank_of(schedule: str, pp_size: int, num_microbatches: int, stage
         raise ValueError(
             f"pipeline_schedule='dualpipev' runs 2 stages per rank and needs num_microbatches >= 2 x"
             f" pipeline_parallel_size = {2 * pp_size}, got {num_microbatches}; raise num_microbatches."
+        )
+    rounds = max(1, num_microbatches // pp_size)
+    if schedule in _IN_ROUNDS and num_microbatches % rounds:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} runs the micro-batches in rounds of about pipeline_parallel_size:"
+            f" num_microbatches={num_microbatches} is not a multiple of its {rounds} rounds"
+            f" (num_microbatches // {pp_size}); use a multiple of {pp_size}, e.g. {rounds * pp_size}."
         )
     if schedule in _V_SHAPED:
         return 2

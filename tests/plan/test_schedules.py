@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.cli import main
 from lightning_tp3d.plan.config import MODEL_PRESETS
 from lightning_tp3d.plan.layout import ParallelLayout
@@ -66,3 +67,13 @@ def test_tp3d_plan_states_each_schedule_bubble(schedule, capsys):
     bubble = schedule_bubble_fraction(schedule, 2, 4)
     assert f"pipeline bubble in theory ({schedule}): " in out and f"  = {bubble:.0%} of each step" in out
     assert max(map(len, out.splitlines())) <= 100
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "interleaved_zero_bubble"])
+def test_micro_batches_that_do_not_fill_the_rounds_are_refused_before_launch(schedule):
+    """torch refuses them in the schedule's constructor, after the processes started: refused here first."""
+    with pytest.raises(ValueError, match=rf"pipeline_schedule='{schedule}' runs the micro-batches in rounds .*"
+                                         r"num_microbatches=5 is not a multiple of its 2 rounds .* e.g. 4"):
+        TP3DStrategy(pipeline_parallel_size=2, num_microbatches=5, pipeline_schedule=schedule)
+    for accepted in (3, 4, 6):  # one round of 3; two of 2; three of 2
+        TP3DStrategy(pipeline_parallel_size=2, num_microbatches=accepted, pipeline_schedule=schedule)
