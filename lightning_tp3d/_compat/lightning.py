@@ -123,13 +123,15 @@ def quiet_known_deprecations() -> None:
                             module=r"lightning\.pytorch\.utilities\._pytree")
 
 
-def read_checkpoint_folders_with(is_folder: Callable[[Path], bool], read_folder: Callable[[Path], dict]) -> None:
-    """`load_from_checkpoint(path)` reads `path` with `read_folder` when `is_folder(path)`, else as before."""
+def read_checkpoint_folders_with(is_folder: Callable[[str | Path], bool],
+                                 read_folder: Callable[[str | Path], dict]) -> None:
+    """`load_from_checkpoint(path)` reads `path` (a path or URL) with `read_folder` when `is_folder(path)`,
+    else as before."""
     original = getattr(_saving.pl_load, "__wrapped__", _saving.pl_load)
 
     def pl_load(path_or_url: Any, map_location: Any = None, **kwargs: Any) -> Any:
-        if isinstance(path_or_url, (str, Path)) and is_folder(Path(path_or_url)):
-            return read_folder(Path(path_or_url))
+        if isinstance(path_or_url, (str, Path)) and is_folder(path_or_url):
+            return read_folder(path_or_url)
         return original(path_or_url, map_location, **kwargs)
 
     pl_load.__wrapped__ = original

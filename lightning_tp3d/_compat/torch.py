@@ -18,6 +18,9 @@ changed between the versions the package supports (`torch>=2.6`).
   where it broke a graph (`graph_break`), which `TP3DStrategy(compile=True)` is checked with.
 * `recorded_collectives` (`torch._C._distributed_c10d._dump_*_trace_json`): the flight recorder's
   entries, NCCL's or the generic one's (gloo).
+* `fsspec_dcp_filesystem` (`torch.distributed.checkpoint._fsspec_filesystem.FileSystem`): DCP's
+  filesystem over fsspec, which `FsspecReader` / `FsspecWriter` use, for the package's own reader and
+  hashing writer on remote storage.
 * `pipeline_orders` (a multi-stage schedule's `pipeline_order` and its `_Action`s, built from stand-in
   stages): the order in which each rank runs its stages' actions, for the planner's timeline.
 """
@@ -46,6 +49,7 @@ __all__ = [
     "dynamo_counters",
     "flatten_dense_tensors",
     "foreach_norm",
+    "fsspec_dcp_filesystem",
     "is_compiled",
     "local_shape_and_global_offset",
     "loss_scale_tensor",
@@ -86,6 +90,14 @@ def dynamo_counters() -> Any:
 def loss_scale_tensor(scaler: Any) -> torch.Tensor | None:
     """`scaler`'s current scale on its device (None before its first `scale`)."""
     return scaler._get_scale_async()
+
+
+def fsspec_dcp_filesystem(url: str) -> tuple[Any, str]:
+    """DCP's fsspec filesystem and the path it writes under, for the folder at `url` (s3://..., gs://...)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    files = FileSystem()
+    return files, files.init_path(url)
 
 
 def process_group_options(backend: str, timeout: timedelta) -> Any:

@@ -17,6 +17,10 @@ cannot swap folders atomically, loading finds the complete one of the two by its
 `lightning_tp3d.io.folders`). A save can run asynchronously:
 the tensors are copied to CPU memory and written by a background thread while training goes on.
 
+`path` may be an fsspec URL (`s3://bucket/run/step=100.ckpt`, `lightning_tp3d.io.storage`): the shards
+are uploaded through DCP's fsspec writer and the folder is committed by its `meta.json`, written last, as
+that storage has no rename (`lightning_tp3d.io.folders`); an asynchronous save uploads in the background.
+
 Example usage::
 
     save_checkpoint(path, {"module": model_state, "optimizer_0": optimizer_state}, trainer_state, meta)
@@ -29,7 +33,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import io
-import os
 from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Any
@@ -61,8 +64,9 @@ from lightning_tp3d.io.checkpoint_format import (
     verify_files,
 )
 from lightning_tp3d.io.dcp_files import DCP_INDEX_FILE, HashingFileSystemWriter, SafeFileSystemReader
-from lightning_tp3d.io.folders import PARTIAL_SUFFIX, finish_interrupted_replacement, replace_folder, staging_folder
+from lightning_tp3d.io.folders import finish_interrupted_replacement, replace_folder, staging_folder
 from lightning_tp3d.io.random_state import capture_rng_state
+from lightning_tp3d.io.storage import is_remote, location, make_folder, write_file
 
 __all__ = ["PendingSave", "load_checkpoint", "load_rng_state", "save_checkpoint"]
 
@@ -87,30 +91,31 @@ def save_checkpoint(
     `dist.new_group(backend="gloo")`, since they overlap with training's); the checkpoint appears under
     `path` when `PendingSave.finish()` is called, on every rank, after that.
     """
-    path = Path(path)
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    path = location(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
     tensors, values = _split_tensors(state)
     values = _merge_on_rank_zero(values)
+    staged = None
     if rank == 0:
-        finish_interrupted_replacement(path, is_complete)
-        staging_folder(path, "checkpoint")
-        (partial / RNG_FOLDER).mkdir()
-    _barrier()
+        finish_interrupted_replacement(path, is_complete, META_FILE)
+        # Remote storage has no rename: a new checkpoint is written in place, committed by meta.json.
+        staged = staging_folder(path, "checkpoint", in_place=is_remote(path) and not is_complete(path))
+        make_folder(staged / RNG_FOLDER)
+    staged = path.with_name(_from_rank_zero(staged.name if staged is not None else None))
     hashes = {f"{RNG_FOLDER}/{rng_file_name(rank)}": _save_synced(capture_rng_state(),
-                                                                  partial / RNG_FOLDER / rng_file_name(rank))}
+                                                                  staged / RNG_FOLDER / rng_file_name(rank))}
     if rank == 0:
         hashes[TRAINER_STATE_FILE] = _save_synced({"trainer": _plain(trainer_state, "trainer_state"), "values": values},
-                                                  partial / TRAINER_STATE_FILE)
-    writer = HashingFileSystemWriter(partial)
+                                                  staged / TRAINER_STATE_FILE)
+    writer = HashingFileSystemWriter(staged)
     if asynchronous:
         stager = _pinned_stager() if any(_on_cuda(tensor) for tensor in tensors.values()) else None
         shards_written = dcp.async_save(tensors, storage_writer=writer, process_group=process_group,
                                         async_stager=stager)
-        return PendingSave(path, meta, hashes, writer, shards_written, stager)
+        return PendingSave(path, staged, meta, hashes, writer, shards_written, stager)
     with dcp_single_process_notice_silenced():
         dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
-    pending = PendingSave(path, meta, hashes, writer)
+    pending = PendingSave(path, staged, meta, hashes, writer)
     pending.finish()
     return pending
 
@@ -129,12 +134,14 @@ def _pinned_stager() -> Any:
 
 
 class PendingSave:
-    """A checkpoint whose shards are being written; `finish()` (a collective) waits for them, gathers every
-    rank's file hashes into `meta.json`, writes it and renames `<name>.partial` to `<name>`."""
+    """A checkpoint whose shards are being written into `staged`; `finish()` (a collective) waits for them,
+    gathers every rank's file hashes into `meta.json`, writes it and moves `staged` (`<name>.partial`) to
+    `<name>` (nothing to move where the folder was written in place)."""
 
-    def __init__(self, path: Path, meta: CheckpointMeta, hashes: dict[str, str], writer: HashingFileSystemWriter,
-                 shards_written: Any = None, stager: Any = None) -> None:
+    def __init__(self, path: Path, staged: Path, meta: CheckpointMeta, hashes: dict[str, str],
+                 writer: HashingFileSystemWriter, shards_written: Any = None, stager: Any = None) -> None:
         self.path = path
+        self.staged = staged
         self._meta = meta
         self._hashes = hashes
         self._writer = writer
@@ -156,12 +163,9 @@ class PendingSave:
         self._meta.file_hashes = _merge_on_rank_zero(mine)
         _barrier()
         if rank == 0:
-            partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
-            with open(partial / META_FILE, "w", encoding="utf-8") as file:  # last: it marks a whole folder
-                file.write(self._meta.to_json())
-                file.flush()
-                os.fsync(file.fileno())
-            replace_folder(partial, self.path)
+            write_file(self.staged / META_FILE, self._meta.to_json().encode())  # last: it marks a whole folder
+            if self.staged != self.path:
+                replace_folder(self.staged, self.path, META_FILE)
         _barrier()
 
 
@@ -185,14 +189,20 @@ def _merge_on_rank_zero(values: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _from_rank_zero(value: Any) -> Any:
+    """Rank 0's `value` on every rank (after rank 0 computed it: also a barrier)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _save_synced(value: Any, file: Path) -> str:
-    """Write `value` with `torch.save` and fsync; returns the SHA-256 of the bytes written."""
+    """Write `value` with `torch.save` durably (`io.storage.write_file`); returns the SHA-256 of its bytes."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
-    with open(file, "wb") as handle:
-        handle.write(buffer.getbuffer())
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_file(file, buffer.getbuffer())
     return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
 

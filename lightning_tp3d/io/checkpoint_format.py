@@ -11,6 +11,9 @@ A checkpoint is a folder::
                         and global shape: `module.<parameter name>` for the model and
                         `optimizer_<i>.state.<parameter name>.<state>` for the optimizers
 
+The folder may be on remote storage, named by an fsspec URL (`s3://bucket/run/last.ckpt`, see
+`lightning_tp3d.io.storage`); it is read there directly.
+
 meta.json records the SHA-256 of every other file (`file_hashes`, computed from the bytes as they were
 written) and the rank that wrote it; readers check the files they read against it (`verify_files`).
 
@@ -53,6 +56,7 @@ from lightning_tp3d.io.dcp_files import (
     read_dcp_index,
 )
 from lightning_tp3d.io.folders import PARTIAL_SUFFIX, REPLACED_SUFFIX, recovered_path
+from lightning_tp3d.io.storage import location
 
 __all__ = [
     "CheckpointError",
@@ -148,7 +152,7 @@ def is_complete(folder: Path) -> bool:
 def checkpoint_folder(path: str | Path) -> Path:
     """The folder holding the checkpoint saved as `path`: `path`, or the complete folder of a replacement of
     it that was interrupted between its two renames (see `lightning_tp3d.io.folders`)."""
-    return recovered_path(Path(path), is_complete)
+    return recovered_path(location(path), is_complete)
 
 
 @contextmanager
@@ -166,7 +170,7 @@ def rng_file_name(rank: int) -> str:
 # ---------------------------------------------------------------------------------------------- read
 def read_meta(path: str | Path) -> CheckpointMeta:
     """Read and check `meta.json`; every way a path can fail to be a whole checkpoint has its own message."""
-    path = Path(path)
+    path = location(path)
     if path.name.endswith(PARTIAL_SUFFIX):
         raise CheckpointError(
             f"{path} is an unfinished save (interrupted before every rank had written); load"
@@ -236,7 +240,8 @@ def load_weights_only(file: Path) -> Any:
     if not file.is_file():
         raise CheckpointError(f"{file} is missing; the checkpoint is incomplete.")
     try:
-        return torch.load(file, weights_only=True, map_location="cpu")
+        with file.open("rb") as handle:
+            return torch.load(handle, weights_only=True, map_location="cpu")
     except Exception as error:  # noqa: BLE001 - a truncated file, or one holding pickled objects
         raise CheckpointError(f"{file} cannot be read safely ({type(error).__name__}: {error}).") from None
 
@@ -335,9 +340,17 @@ def load_model_tensors(path: str | Path, names: Iterable[str] | None = None) -> 
     return ModelTensorReader(path).load(names)
 
 
-def is_checkpoint_folder(path: Path) -> bool:
-    """Whether `path` is a folder holding a complete checkpoint of this package."""
-    return path.is_dir() and is_complete(checkpoint_folder(path))
+def is_checkpoint_folder(path: str | Path) -> bool:
+    """Whether `path` (a path or an fsspec URL) is a folder holding a complete checkpoint of this package;
+    False for a web address (Lightning downloads those as one file) and for a URL whose protocol no
+    installed fsspec filesystem reads."""
+    if str(path).startswith(("http://", "https://")):
+        return False
+    try:
+        folder = location(path)
+        return folder.is_dir() and is_complete(checkpoint_folder(folder))
+    except (ImportError, ValueError):
+        return False
 
 
 def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:

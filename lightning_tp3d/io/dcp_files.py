@@ -14,7 +14,8 @@ crafted folder with DCP's own reader runs code. Here:
 * `HashingFileSystemWriter` is DCP's file writer that computes the SHA-256 of each file from the bytes
   it writes (no second read); `file_sha256` hashes a file on disk for the check at load.
 
-Folders written by torch's own `dcp.save` open with these too.
+Folders written by torch's own `dcp.save` open with these too. A folder on remote storage (a `UPath` of
+`lightning_tp3d.io.storage`) is read and written through DCP's fsspec filesystem.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
+
+from lightning_tp3d._compat.torch import fsspec_dcp_filesystem
+from lightning_tp3d.io.storage import is_remote, location
 
 __all__ = ["DCP_INDEX_FILE", "HashingFileSystemWriter", "SafeFileSystemReader", "UnsafeCheckpointError",
            "file_sha256", "read_dcp_index"]
@@ -74,8 +78,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_index(folder: str | Path) -> Metadata:
     """The DCP index of `folder`, read with the restricted unpickler (see the module docstring)."""
-    source = Path(folder) / DCP_INDEX_FILE
-    with open(source, "rb") as file:
+    source = location(folder) / DCP_INDEX_FILE
+    with source.open("rb") as file:
         metadata = _MetadataUnpickler(file, source).load()
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{source} holds a {type(metadata).__name__}, not DCP metadata.")
@@ -87,7 +91,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     non-tensor items."""
 
     def __init__(self, path: str | Path, metadata: Metadata | None = None) -> None:
-        super().__init__(path)
+        path = location(path)
+        super().__init__(path if not is_remote(path) else ".")
+        if is_remote(path):
+            self.fs, self.path = fsspec_dcp_filesystem(str(path))
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -130,31 +137,63 @@ class _HashingStream(io.RawIOBase):
         self.raw.flush()
 
 
-class _HashingFileSystem(FileSystem):
-    def __init__(self) -> None:
+class _HashingFileSystem(FileSystemBase):
+    """`files` (DCP's local or fsspec filesystem) with a SHA-256 of every file written through it."""
+
+    def __init__(self, files: FileSystemBase) -> None:
+        self.files = files
         self.hashes: dict[str, str] = {}
         self._lock = threading.Lock()  # DCP may write files from several threads
 
     @contextmanager
     def create_stream(self, path: str | Path, mode: str) -> Generator[io.IOBase, None, None]:
         if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
+            with self.files.create_stream(path, mode) as stream:
                 yield stream
             return
         digest = hashlib.sha256()
-        with super().create_stream(path, mode) as stream:
+        with self.files.create_stream(path, mode) as stream:
             yield _HashingStream(stream, digest)
         name = PurePath(path).name.removesuffix(".tmp")  # DCP writes its index as .metadata.tmp, then renames it
         with self._lock:
             self.hashes[name] = digest.hexdigest()
 
+    def concat_path(self, path: str | Path, suffix: str) -> str | Path:
+        return self.files.concat_path(path, suffix)
+
+    def rename(self, path: str | Path, new_path: str | Path) -> None:
+        self.files.rename(path, new_path)
+
+    def init_path(self, path: str | Path) -> str | Path:
+        return self.files.init_path(path)
+
+    def mkdir(self, path: str | Path) -> None:
+        self.files.mkdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | Path) -> bool:
+        return True
+
+    def exists(self, path: str | Path) -> bool:
+        return self.files.exists(path)
+
+    def rm_file(self, path: str | Path) -> None:
+        self.files.rm_file(path)
+
 
 class HashingFileSystemWriter(dcp.FileSystemWriter):
-    """DCP's file writer; `file_hashes` maps each file this rank wrote (name in the folder) to its SHA-256."""
+    """DCP's file writer; `file_hashes` maps each file this rank wrote (name in the folder) to its SHA-256.
+    On remote storage it writes through DCP's fsspec filesystem, without fsync (an upload is whole)."""
 
     def __init__(self, path: str | Path) -> None:
-        super().__init__(path)
-        self.fs = _HashingFileSystem()
+        path = location(path)
+        remote = is_remote(path)
+        super().__init__(path if not remote else ".", sync_files=not remote)
+        files: FileSystemBase = FileSystem()
+        if remote:
+            files, path = fsspec_dcp_filesystem(str(path))
+        self.fs = _HashingFileSystem(files)
+        self.path = path
 
     @property
     def file_hashes(self) -> dict[str, str]:
@@ -163,7 +202,7 @@ class HashingFileSystemWriter(dcp.FileSystemWriter):
 
 def file_sha256(file: Path) -> str:
     digest = hashlib.sha256()
-    with open(file, "rb") as handle:
+    with file.open("rb") as handle:
         while chunk := handle.read(_CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()

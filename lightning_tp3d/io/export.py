@@ -41,6 +41,7 @@ from lightning_tp3d.io.hf import (
     write_safetensors,
 )
 from lightning_tp3d.io.lora import LoraMerge, adapter_config, adapter_entries
+from lightning_tp3d.io.storage import location
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.sharding import hf_tensor_names
 from lightning_tp3d.plan.units import parse_size
@@ -78,7 +79,7 @@ def export_checkpoint(
     Hugging Face folder they were loaded from, checked against its recorded fingerprint (`io.frozen_base`)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(EXPORT_DTYPES)}.")
-    checkpoint, output = Path(checkpoint), Path(output)
+    checkpoint, output = location(checkpoint), Path(output)
     deploy_sizes = (deploy_tp,) if isinstance(deploy_tp, int) else tuple(deploy_tp or ())
     check_output_folder(output, HF_EXPORT, overwrite)
     for size in deploy_sizes:
@@ -160,7 +161,7 @@ def export_lora_adapter(checkpoint: str | Path, output: str | Path, dtype: str =
     (`io.lora`). `output` is handled as by `export_checkpoint`."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(EXPORT_DTYPES)}.")
-    checkpoint, output = Path(checkpoint), Path(output)
+    checkpoint, output = location(checkpoint), Path(output)
     check_output_folder(output, ADAPTER_EXPORT, overwrite)
     reader = ModelTensorReader(checkpoint, verify)
     if reader.meta.lora is None:

@@ -9,6 +9,13 @@ is first renamed `<name>.replaced`; a process that dies between the two renames 
 missing, and `recovered_path` finds the complete folder of the two (the new one if it was complete,
 else the old one), so loading recovers by itself and the next save puts it back under its name.
 
+On remote storage (`lightning_tp3d.io.storage`), which has no rename, a folder is complete when its
+commit file (a checkpoint's `meta.json`, written last) is there. A replacement removes the earlier
+folder's commit file first, then the rest of it, copies the complete `<name>.partial` in (server-side),
+its commit file last, and removes `<name>.partial`: at every moment one of the two names holds a
+complete folder, and `recovered_path` reads `<name>.partial` while `<name>` is incomplete. Where no
+complete folder is under the name (a new checkpoint), the folder is written in place, without the copy.
+
 Folders of this package carry a marker file (`MARKER_FILE`, or the checkpoint's `meta.json`); an output
 folder that exists, is not empty and has no marker of the same kind is refused unless the caller
 passes `overwrite=True`.
@@ -20,11 +27,12 @@ import ctypes
 import errno
 import json
 import os
-import shutil
 import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+from lightning_tp3d.io.storage import copy_folder, is_remote, make_folder, remove_folder
 
 __all__ = [
     "MARKER_FILE",
@@ -64,49 +72,69 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(code, os.strerror(code), str(first), str(second))
 
 
-def replace_folder(staged: Path, path: Path) -> None:
+def replace_folder(staged: Path, path: Path, commit_file: str = MARKER_FILE) -> None:
     """Move the complete folder `staged` to `path`. An earlier folder at `path` is swapped out atomically
-    where possible (else renamed `<name>.replaced` first) and removed only once `staged` is in place."""
+    where possible (else renamed `<name>.replaced` first) and removed only once `staged` is in place; on
+    remote storage it is replaced by a copy whose `commit_file` comes last (see the module docstring)."""
     # What is removed here is only ever the earlier folder at `path` (for exports and deploy shards
     # `check_output_folder` has vetted it: ours, empty, or `overwrite`; for checkpoints it is the name the
     # caller saves to, as Lightning overwrites a checkpoint of the same name), a link or file at that name
     # (Lightning's `save_last="link"`), and `<name>.replaced`, a name only this module creates.
+    if is_remote(path):
+        _replace_on_store(staged, path, commit_file)
+        return
     if path.is_symlink() or path.is_file():
         path.unlink()
     if not path.exists():
         staged.rename(path)
         return
     if _exchange(staged, path):
-        shutil.rmtree(staged)  # now the earlier folder
+        remove_folder(staged)  # now the earlier folder
         return
     replaced = _sibling(path, REPLACED_SUFFIX)
-    shutil.rmtree(replaced, ignore_errors=True)
+    if replaced.exists():
+        remove_folder(replaced)
     path.rename(replaced)
     staged.rename(path)
-    shutil.rmtree(replaced)
+    remove_folder(replaced)
+
+
+def _replace_on_store(staged: Path, path: Path, commit_file: str) -> None:
+    path.fs.invalidate_cache()  # other ranks wrote into `staged` since this process listed it
+    if (path / commit_file).exists():
+        (path / commit_file).unlink()  # the earlier folder is incomplete from here on, `staged` complete
+    if path.exists():
+        remove_folder(path)
+    copy_folder(staged, path, last=commit_file)
+    remove_folder(staged)
 
 
 def recovered_path(path: Path, is_complete: Callable[[Path], bool]) -> Path:
-    """`path`, or where its folder is after a replacement that died between its two renames: the new
-    folder (`<name>.partial`) if it is complete, else the earlier one (`<name>.replaced`)."""
-    if path.exists():
+    """`path`, or where its folder is after a replacement that was interrupted: the new folder
+    (`<name>.partial`) if it is complete, else the earlier one (`<name>.replaced`). On remote storage,
+    where a replacement copies into `path`, `path` counts once it is complete."""
+    if is_complete(path) if is_remote(path) else path.exists():
         return path
     for candidate in (_sibling(path, PARTIAL_SUFFIX), _sibling(path, REPLACED_SUFFIX)):
         if candidate.is_dir() and is_complete(candidate):
-            warnings.warn(f"{path} is missing: a save replacing it was interrupted; reading the complete folder"
+            state = "incomplete" if path.exists() else "missing"
+            warnings.warn(f"{path} is {state}: a save replacing it was interrupted; reading the complete folder"
                           f" {candidate.name} instead (the next save to {path.name} moves it back).", stacklevel=3)
             return candidate
     return path
 
 
-def finish_interrupted_replacement(path: Path, is_complete: Callable[[Path], bool]) -> None:
+def finish_interrupted_replacement(path: Path, is_complete: Callable[[Path], bool], commit_file: str) -> None:
     """Put the folder `recovered_path` would read back under `path` (before a new save to `path`)."""
     found = recovered_path(path, is_complete)
     if found != path:
+        if is_remote(path):
+            _replace_on_store(found, path, commit_file)
+            return
         found.rename(path)
     replaced = _sibling(path, REPLACED_SUFFIX)
     if path.exists() and replaced.is_dir() and is_complete(replaced):
-        shutil.rmtree(replaced)
+        remove_folder(replaced)
 
 
 def _marker_kind(folder: Path) -> str | None:
@@ -134,14 +162,16 @@ def check_output_folder(path: Path, kind: str, overwrite: bool = False) -> None:
     )
 
 
-def staging_folder(path: Path, kind: str) -> Path:
-    """A fresh `<name>.partial` beside `path`, marked as a `kind` folder. A stale one is removed only if this
-    package wrote it (it carries the marker); anything else under that name is refused."""
-    staged = _sibling(path, PARTIAL_SUFFIX)
+def staging_folder(path: Path, kind: str, in_place: bool = False) -> Path:
+    """A fresh `<name>.partial` beside `path` (with `in_place`, `path` itself: a folder committed by a file
+    written last, where nothing complete is there to keep), marked as a `kind` folder. A stale one is
+    removed only if this package wrote it (it carries the marker); anything else under that name is
+    refused."""
+    staged = path if in_place else _sibling(path, PARTIAL_SUFFIX)
     if staged.exists() or staged.is_symlink():
         if not staged.is_dir() or _marker_kind(staged) != kind:
             raise FileExistsError(f"{staged} exists and was not written by lightning_tp3d; move it away and retry.")
-        shutil.rmtree(staged)
-    staged.mkdir(parents=True)
+        remove_folder(staged)
+    make_folder(staged)
     (staged / MARKER_FILE).write_text(json.dumps({"kind": kind}))
     return staged

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_tp3d._compat.lightning import ParallelBackwardSyncControl
+from lightning_tp3d.io.storage import location
 from lightning_tp3d.parallel.grad_norm import clip_grad_value_
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.checkpointing import model_config
@@ -189,7 +189,7 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         parameters and saved whole, so a filter on an optimizer's key is refused."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it writes DCP shards).")
-        path = Path(self.broadcast(str(path)))
+        path = location(self.broadcast(str(path)))
         model_key, module, optimizers = _split_state(state)
         filter = filter or {}
         if any(key in optimizers for key in filter):
@@ -213,7 +213,7 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         """Fill `state`'s model and optimizers (any saved layout) and its other keys; return what is left."""
         if not isinstance(state, dict):
             raise TypeError(f"{type(self).__name__}.load_checkpoint needs state={{'model': model, ...}}.")
-        path = Path(self.broadcast(str(path)))
+        path = location(self.broadcast(str(path)))
         model_key, module, optimizers = _split_state(state)
         _, saved = self.core.load(path, module, list(optimizers.values()), strict, self.global_rank)
         saved.pop(_KEYS, None)

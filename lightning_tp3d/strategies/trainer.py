@@ -21,7 +21,6 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -46,6 +45,7 @@ from lightning_tp3d._compat.lightning import (
 )
 from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosition
 from lightning_tp3d.io.checkpoint import PendingSave
+from lightning_tp3d.io.storage import location
 from lightning_tp3d.parallel.attributes import resolve_attribute
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.checkpointing import model_config
@@ -281,7 +281,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         """Write a sharded checkpoint folder (see `lightning_tp3d.io.checkpoint`) atomically at `filepath`."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes DCP shards itself and takes no storage_options.")
-        path = Path(self.broadcast(str(filepath)))
+        path = location(self.broadcast(str(filepath)))
         self.finish_pending_save()
         model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         meta = self.core.checkpoint_meta(self.world_size, checkpoint.get("global_step", 0), checkpoint.get("epoch", 0),
@@ -315,7 +315,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         """Restore the model and optimizers at the current layout, whatever layout saved them, plus the
         random states (same layout only) and the data position; return the trainer's state for Lightning
         (loops, callbacks, LR schedulers). Files are always read with `weights_only=True`."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = location(self.broadcast(str(checkpoint_path)))
         self.finish_pending_save()
         meta, trainer_state = self.core.load(path, self.model, self.optimizers, self.lightning_module.strict_loading,
                                              self.global_rank)

@@ -203,11 +203,11 @@ def crash_during_second_save(directory: str) -> None:
     rename = checkpoint.replace_folder
     renames = []
 
-    def rename_or_die(partial: Path, path: Path) -> None:
+    def rename_or_die(partial: Path, path: Path, *args: Any) -> None:
         renames.append(path)
         if len(renames) == 2:  # every file of the step-2 save is written, only the rename is left
             os.kill(os.getpid(), signal.SIGKILL)
-        rename(partial, path)
+        rename(partial, path, *args)
 
     class KeepWeights(Callback):
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
