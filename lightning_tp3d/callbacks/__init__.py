@@ -1,9 +1,11 @@
-"""Lightning callbacks: export and consistency checks at the end of fit, the throughput monitor,
-plain-text loss lines and the per-group traffic of a step."""
+"""Lightning callbacks: export and consistency checks at the end of fit, the throughput monitor, GPU
+hardware metrics, plain-text loss lines and the per-group traffic of a step."""
 
 from lightning_tp3d.callbacks.export import ConsistencyCheck, ExportCallback
+from lightning_tp3d.callbacks.hardware import HardwareMonitor
 from lightning_tp3d.callbacks.monitor import TP3DThroughputMonitor
 from lightning_tp3d.callbacks.progress import PrintLosses
 from lightning_tp3d.callbacks.traffic import RecordTraffic
 
-__all__ = ["ConsistencyCheck", "ExportCallback", "PrintLosses", "RecordTraffic", "TP3DThroughputMonitor"]
+__all__ = ["ConsistencyCheck", "ExportCallback", "HardwareMonitor", "PrintLosses", "RecordTraffic",
+           "TP3DThroughputMonitor"]
