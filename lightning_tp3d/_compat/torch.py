@@ -21,6 +21,8 @@ changed between the versions the package supports (`torch>=2.6`).
 * `fsspec_dcp_filesystem` (`torch.distributed.checkpoint._fsspec_filesystem.FileSystem`): DCP's
   filesystem over fsspec, which `FsspecReader` / `FsspecWriter` use, for the package's own reader and
   hashing writer on remote storage.
+* `default_store` (`distributed_c10d._get_default_store`): the key-value store the default group was
+  created with, which answers while collectives hang (the stalled-rank monitor's heartbeats).
 * `pipeline_orders` (a multi-stage schedule's `pipeline_order` and its `_Action`s, built from stand-in
   stages): the order in which each rank runs its stages' actions, for the planner's timeline.
 """
@@ -46,6 +48,7 @@ __all__ = [
     "TORCH_VERSION",
     "AsyncCollectiveTensor",
     "all_gather_single",
+    "default_store",
     "dynamo_counters",
     "flatten_dense_tensors",
     "foreach_norm",
@@ -90,6 +93,13 @@ def dynamo_counters() -> Any:
 def loss_scale_tensor(scaler: Any) -> torch.Tensor | None:
     """`scaler`'s current scale on its device (None before its first `scale`)."""
     return scaler._get_scale_async()
+
+
+def default_store() -> dist.Store:
+    """The store of the default process group (a `TCPStore` under torchrun and Lightning)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def fsspec_dcp_filesystem(url: str) -> tuple[Any, str]:
