@@ -125,6 +125,7 @@ class CheckpointMeta:
     # "sha256": the digest of their names and whole contents, the same at every layout}
     frozen_weights: dict[str, Any] | None = None
     data_parallel_mode: str = "replicate"
+    accumulate_grad_batches: int = 1  # batches per optimizer step (a resume at another one converts the counts)
     precision: str | None = None  # Lightning's training precision, e.g. "bf16-mixed"
     loss: float | None = None  # the last training loss (mean over dp replicas) before the save
     loss_mean: float | None = None  # mean and standard deviation of the last steps' losses

@@ -27,6 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -47,6 +48,7 @@ from lightning_tp3d.data.sampler import ResumableDistributedSampler, SamplePosit
 from lightning_tp3d.io.checkpoint import PendingSave
 from lightning_tp3d.io.storage import location
 from lightning_tp3d.parallel.attributes import resolve_attribute
+from lightning_tp3d.strategies.accumulation import accumulation_for, rescale_batch_progress
 from lightning_tp3d.strategies.base import TP3DStrategyBase, name_stuck_collectives_in
 from lightning_tp3d.strategies.checkpointing import model_config
 from lightning_tp3d.strategies.core import ParallelCore
@@ -76,6 +78,9 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
             (tp / pp / dp), the operation and the ranks, instead of hanging.
         async_checkpoint: write checkpoints in a background thread (tensors are first copied to CPU
             memory); a checkpoint appears under its name once the next save starts or fit ends.
+        global_batch_size: samples per optimizer step at any data-parallel size: the Trainer accumulates
+            global_batch_size / (per-rank batch x dp) batches (`strategies.accumulation`), so a run resumed at
+            another dp (an elastic restart after a lost node) takes the same steps on the same samples.
 
     The options before those (`strategies.options.ParallelOptions`, one declaration for both strategies, the
     ledger and `docs/options.md`) are written into this docstring when the class is defined.
@@ -87,7 +92,9 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
     @with_option_signature
     def __init__(self, *, model_attribute: str = "model", process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, async_checkpoint: bool = False,
-                 **options: Any) -> None:
+                 global_batch_size: int | None = None, **options: Any) -> None:
+        if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
+            raise ValueError(f"global_batch_size={global_batch_size!r}: give a positive number of samples per step.")
         parallel_options = ParallelOptions.from_keywords(type(self).__name__, options)
         tp, _, dp = parallel_options.sizes
         super().__init__(data_parallel_size=dp, tensor_parallel_size=tp, save_distributed_checkpoint=True,
@@ -96,6 +103,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self._model_attribute = model_attribute
         self._resume_position: SamplePosition | None = None
         self._async_checkpoint = async_checkpoint
+        self._global_batch_size = global_batch_size
+        self._saved_accumulation: int | None = None
         self._checkpoint_group: torch.distributed.ProcessGroup | None = None
         self._pending_save: PendingSave | None = None
         self._restore_lightning: list[Callable[[], None]] = []
@@ -129,6 +138,8 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         if not isinstance(dataloader, DataLoader):
             return dataloader
         trainer = self.lightning_module.trainer
+        if trainer.training:
+            self._set_accumulation(trainer, dataloader)
         if trainer.training and type(dataloader.sampler) is DistributedSampler:
             sampler = ResumableDistributedSampler.like(dataloader.sampler)
             # Lightning starts the first iterator of a fit before it sets the sampler's epoch.
@@ -149,6 +160,21 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         if dataloader.generator is None:
             dataloader.generator = torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)))
         return dataloader
+
+    def _set_accumulation(self, trainer: pl.Trainer, dataloader: DataLoader) -> None:
+        """`global_batch_size`'s accumulation, and Lightning's batch counts of a checkpoint saved at another
+        accumulation converted to this one (`strategies.accumulation`)."""
+        if self._global_batch_size is not None:
+            if any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks):
+                raise ValueError("TP3DStrategy(global_batch_size=...) sets the accumulation itself; remove the"
+                                 " GradientAccumulationScheduler callback, or leave global_batch_size unset.")
+            trainer.accumulate_grad_batches = accumulation_for(self._global_batch_size, dataloader.batch_size,
+                                                               self.layout.data_parallel_size,
+                                                               trainer.accumulate_grad_batches)
+        if self._saved_accumulation is not None:
+            rescale_batch_progress(trainer.fit_loop.epoch_loop.batch_progress, self._saved_accumulation,
+                                   trainer.accumulate_grad_batches)
+            self._saved_accumulation = None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -291,6 +317,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         trainer_state = self.lightning_module.trainer.state
         asynchronous = (self._async_checkpoint and trainer_state.fn == TrainerFn.FITTING
                         and trainer_state.status == TrainerStatus.RUNNING)
+        meta = replace(meta, accumulate_grad_batches=self.lightning_module.trainer.accumulate_grad_batches)
         self._pending_save = self.core.save(path, model_state, optimizer_states, checkpoint, meta,
                                             asynchronous=asynchronous, process_group=self._checkpoint_group,
                                             module=self.lightning_module)
@@ -320,6 +347,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
         meta, trainer_state = self.core.load(path, self.model, self.optimizers, self.lightning_module.strict_loading,
                                              self.global_rank)
         self._resume_position = replace(self.core.sample_position)
+        self._saved_accumulation = meta.accumulate_grad_batches
         self.loss_watch.resumed(meta)
         return trainer_state
 

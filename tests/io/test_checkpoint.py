@@ -67,6 +67,7 @@ TOLERANCE = 1e-5
 GLOBAL_BATCH = 8
 STEPS = 8
 SAVED_AT = 4  # the resharding checkpoint
+GLOBAL_SAVED_AT = 3  # the global-batch run's: 6 batches at 2 per step, which 4 per step does not divide
 EXACT_RESUME_STEPS = (4, 5, 7)
 BATCHES_PER_EPOCH = 5  # limit_train_batches of the exact-resume runs: step 5 ends epoch 0
 
@@ -84,25 +85,29 @@ class RecordBatches(Callback):
 
 def _fit(tp: int, pp: int, directory: Path, steps: int = STEPS, ckpt_path: Path | None = None,
          config: ModelConfig | None = None, callbacks: list[Callback] | None = None, mode: str = "replicate",
-         async_checkpoint: bool = False, verify_checkpoints: bool = True, **trainer_options: Any) -> dict:
+         async_checkpoint: bool = False, verify_checkpoints: bool = True, global_batch_size: int | None = None,
+         per_rank_batch: int | None = None, **trainer_options: Any) -> dict:
     """Fit to `steps` (resuming from `ckpt_path`); return losses, recorded batches and whole final weights.
 
-    With a `config` (dropout) the run is seeded and warms its learning rate up over 6 steps."""
+    With a `config` (dropout) the run is seeded and warms its learning rate up over 6 steps. The per-rank
+    batch is GLOBAL_BATCH / dp unless `per_rank_batch` is given (with `global_batch_size`, the strategy
+    then accumulates to that global batch)."""
     if config is not None:
         L.seed_everything(1234)
     dp = world_size() // (tp * pp)
     logger, recorder = MemoryLogger(), RecordBatches()
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
                             data_parallel_mode=mode, async_checkpoint=async_checkpoint,
-                            verify_checkpoints=verify_checkpoints)
+                            verify_checkpoints=verify_checkpoints, global_batch_size=global_batch_size)
     trainer = L.Trainer(**trainer_kwargs(
         devices=world_size(), strategy=strategy, max_steps=steps, logger=logger, default_root_dir=directory,
         callbacks=[recorder, *(callbacks or [])], enable_checkpointing=bool(callbacks), **trainer_options))
     module = CausalLMModule(config or "tiny", learning_rate=LEARNING_RATE, warmup_steps=6 if config else 0)
-    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
+    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=per_rank_batch or GLOBAL_BATCH // dp,
                                         val_fraction=0.2),
                 ckpt_path=ckpt_path)
     return {"losses": logger.values("train_loss"), "batches": recorder.batches,
+            "accumulate": trainer.accumulate_grad_batches,
             "dp_rank": strategy.layout.coordinates(trainer.global_rank).dp, "weights": named_full(module)}
 
 
@@ -134,7 +139,11 @@ def run_reshard_save_world(directory: str) -> dict[str, Any]:
     saver = ModelCheckpoint(dirpath=directory, filename="step4", every_n_train_steps=SAVED_AT)
     saved = _fit(2, 2, directory, steps=SAVED_AT, callbacks=[saver])
     resumed = _fit(1, 2, directory, ckpt_path=directory / "step4.ckpt", mode="fsdp")
-    return {"saved": saved, "1-2-2": resumed}
+    # (2, 1, 2) at a global batch of 8 from per-rank batches of 2: 2 batches accumulated per step
+    every3 = ModelCheckpoint(dirpath=directory / "global", filename="{step}", every_n_train_steps=GLOBAL_SAVED_AT,
+                             save_top_k=-1)
+    global_batch = _fit(2, 1, directory, callbacks=[every3], global_batch_size=GLOBAL_BATCH, per_rank_batch=2)
+    return {"saved": saved, "1-2-2": resumed, "global-dp2": global_batch}
 
 
 def run_reshard_resume_world(directory: str) -> dict[str, Any]:
@@ -143,6 +152,9 @@ def run_reshard_resume_world(directory: str) -> dict[str, Any]:
         warnings.simplefilter("always")
         results = {"1-1-2": _fit(1, 1, directory, ckpt_path=directory / "step4.ckpt"),
                    "2-1-1": _fit(2, 1, directory, ckpt_path=directory / "step4.ckpt")}
+    # the global-batch run resumed at dp 1 (a lost replica): 4 batches accumulated per step
+    results["global-dp1"] = _fit(2, 1, directory, ckpt_path=directory / "global" / f"step={GLOBAL_SAVED_AT}.ckpt",
+                                 global_batch_size=GLOBAL_BATCH, per_rank_batch=2)
     results["warnings"] = [str(warning.message) for warning in caught if "Resharding" in str(warning.message)]
     results["crafted-trainer"] = _error_of(lambda: _fit(1, 1, directory, ckpt_path=directory / "crafted.ckpt"))
     results["crafted-fabric"] = _error_of(lambda: _fabric_load(directory / "crafted.ckpt"))
@@ -347,6 +359,44 @@ def test_resume_at_another_layout_continues_the_reference(resharded, reference, 
     for name, expected in reference["final_params"].items():
         if name in weights:
             assert_adam_weights_close(weights[name], expected, name)
+
+
+def _accumulated_samples(run: list[dict], steps: range, accumulate: int) -> list[list[list[int]]]:
+    """Per step, the global batch's rows (sorted): `accumulate` batches of one rank of every dp coordinate."""
+    by_dp = {rank["dp_rank"]: rank["batches"] for rank in run}
+    return [sorted(row for dp in sorted(by_dp) for batch in by_dp[dp][index * accumulate:(index + 1) * accumulate]
+                   for row in batch.tolist()) for index in range(len(steps))]
+
+
+def test_global_batch_is_kept_through_accumulation_when_dp_shrinks(resharded):
+    """`global_batch_size=8` at per-rank batches of 2: 2 batches per step at dp 2, 4 after resuming at dp 1,
+    the same samples in the same steps and the single-process run's losses and weights."""
+    runs, _ = resharded
+    straight, resumed = runs["global-dp2"], runs["global-dp1"]
+    assert {rank["accumulate"] for rank in straight} == {2} and {rank["accumulate"] for rank in resumed} == {4}
+    by_two, by_four = (reference_run(STEPS, GLOBAL_BATCH, accumulate=k) for k in (2, 4))
+    for rank in straight:  # the logged loss is the last accumulated batch's (mean over dp)
+        assert max(abs(a - b) for a, b in zip(rank["losses"], by_two["last_batch_losses"], strict=True)) <= TOLERANCE
+    for rank in resumed:
+        assert max(abs(a - b) for a, b in zip(rank["losses"], by_four["last_batch_losses"][GLOBAL_SAVED_AT:],
+                                              strict=True)) <= TOLERANCE
+    assert _accumulated_samples(straight, range(STEPS), 2) == _reference_samples(range(STEPS))
+    assert _accumulated_samples(resumed, range(GLOBAL_SAVED_AT, STEPS), 4) == _reference_samples(
+        range(GLOBAL_SAVED_AT, STEPS))
+    for name, expected in by_four["final_params"].items():
+        assert_adam_weights_close(resumed[0]["weights"][name], expected, name)
+
+
+def test_global_batch_that_does_not_divide_is_refused():
+    from lightning_tp3d.strategies.accumulation import accumulation_for
+
+    assert accumulation_for(8, 2, 2, requested=1) == 2
+    with pytest.raises(ValueError, match=r"global_batch_size=8 is not a multiple of the per-rank batch 3 x dp 2 = 6"):
+        accumulation_for(8, 3, 2, requested=1)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=3\) disagrees with global_batch_size=8"):
+        accumulation_for(8, 2, 2, requested=3)
+    with pytest.raises(ValueError, match=r"positive number of samples"):
+        TP3DStrategy(global_batch_size=0)
 
 
 def test_layout_change_is_reported(resharded):
