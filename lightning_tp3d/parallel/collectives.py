@@ -41,6 +41,7 @@ __all__ = [
 _FAILURE_PATTERNS = re.compile(
     r"timed out|timeout|connection closed by peer|connection reset|watchdog|DistBackendError", re.IGNORECASE
 )
+_PEER_GONE = re.compile(r"connection closed by peer|connection reset", re.IGNORECASE)
 _RECORDED_COLLECTIVES = "2000"
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -87,6 +88,12 @@ def describe_failed_collective(error: BaseException, mesh: DeviceMesh | None, ti
         group = "the default group (all ranks)"
     else:
         group = f"the process group {group_desc!r}"
+    if _PEER_GONE.search(str(error)):
+        return (
+            f"{operation} on {group} failed on rank {dist.get_rank()}: a rank of that group closed its connection"
+            " (its process died or was killed, e.g. with its node). Under torchrun with --max-restarts the job"
+            " restarts from the last checkpoint (see docs/operating.md); otherwise look at that rank's log first."
+        )
     within = f" within {timeout}" if timeout is not None else ""
     return (
         f"{operation} on {group} did not complete{within} on rank {dist.get_rank()}: another rank of that group"

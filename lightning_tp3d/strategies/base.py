@@ -18,6 +18,7 @@ Which group each of Lightning's collectives needs (every call site is listed in 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -87,6 +88,7 @@ class TP3DStrategyBase:
         """Process groups, then the ("pp", "dp", "tp") mesh; collective recording starts before any group
         exists so that a failed collective can be named."""
         enable_collective_recording()
+        warn_if_restarts_cannot_recover()
         setup_process_groups(self)
         self._device_mesh = self.core.setup_mesh(self.num_nodes * self.num_processes, self.root_device.type,
                                                  self._timeout)
@@ -123,6 +125,19 @@ class TP3DStrategyBase:
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls,
                                    description="Tensor x pipeline x data parallel strategy of lightning_tp3d")
+
+
+def warn_if_restarts_cannot_recover() -> None:
+    """Under torchrun with restarts, warn when the workers share the agent's rendezvous store: torch 2.5 to
+    2.13 then re-read the previous attempt's addresses on a restart after a lost rank, and the new process
+    group never forms (pytorch/pytorch#135712); `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoids it."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(
+            os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        rank_zero_warn(
+            "torchrun shares its rendezvous store with the workers, so a restart after a lost rank or node fails to"
+            " form the new process group (pytorch/pytorch#135712): launch torchrun with"
+            " TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for --max-restarts to recover (docs/operating.md)."
+        )
 
 
 def name_stuck_collectives_in(strategy: type, hooks: Iterable[str]) -> None:

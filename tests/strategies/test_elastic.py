@@ -1,0 +1,110 @@
+"""A lost node costs a restart, not the run: two torchrun agents of 4 CPU processes each ("nodes" on one
+machine, c10d rendezvous, `--nnodes 1:2 --max-restarts 3`) train `examples/train_elastic.py` at
+(tp, pp, dp) = (2, 2, 2), a global batch of 8 (per-rank batches of 2, 2 accumulated), saving `last.ckpt`
+every step. Once a checkpoint of step 3 exists, the second agent and its workers are killed (SIGKILL).
+The first agent's workers fail in their next collective, it restarts them at a world of 4, and they
+resume by themselves (`ckpt_path="last"`) at dp 1, accumulating 4, to step 8.
+
+Every step's logged loss (Lightning's CSVLogger, one file per attempt) equals the single-process run with
+the same global batch (the last accumulated batch's loss, fp32 1e-5), so every step trained on the same
+samples: none repeated, none skipped; the final checkpoint's weights are that run's, and its data
+position counts 8 x 8 samples.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lightning_tp3d.io.checkpoint_format import load_model_tensors, read_meta
+from tests.helpers import LEARNING_RATE, SEQ_LEN, assert_adam_weights_close, reference_run
+
+pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+STEPS, GLOBAL_BATCH, PER_RANK_BATCH = 8, 8, 2
+KILL_AFTER_STEP = 3
+TOLERANCE = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL an agent and its workers, as when their node fails."""
+    parent = psutil.Process(agent.pid)
+    for process in parent.children(recursive=True) + [parent]:
+        process.kill()
+
+
+@pytest.fixture(scope="module")
+def elastic_run(tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("elastic")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "4",
+               "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+               "--rdzv-id", "tp3d-elastic-test",
+               "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
+               "examples/train_elastic.py", "--output", str(output), "--steps", str(STEPS),
+               "--global-batch", str(GLOBAL_BATCH), "--batch-size", str(PER_RANK_BATCH), "--data", "tiny",
+               "--seq-len", str(SEQ_LEN), "--learning-rate", str(LEARNING_RATE), "--val-fraction", "0.2"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    logs = [open(output / f"agent{index}.log", "w") for index in range(2)]  # noqa: SIM115 - closed below
+    agents = []
+    try:
+        for log in logs:  # the second agent joins within the first's last call: both start in one world
+            agents.append(subprocess.Popen(command, cwd=REPOSITORY, env=environment, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+            time.sleep(0.5)
+        meta, deadline = output / "checkpoints" / "last.ckpt" / "meta.json", time.monotonic() + 300
+        while (json.loads(meta.read_text())["global_step"] if meta.is_file() else -1) < KILL_AFTER_STEP:
+            assert time.monotonic() < deadline and all(agent.poll() is None for agent in agents), (
+                (output / "agent0.log").read_text()[-3000:])
+            time.sleep(0.1)
+        _kill_node(agents[1])
+        assert agents[0].wait(timeout=600) == 0, (output / "agent0.log").read_text()[-5000:]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                _kill_node(agent)
+        for log in logs:
+            log.close()
+    return output
+
+
+def _losses_by_attempt(output: Path) -> list[dict[int, float]]:
+    attempts = sorted((output / "logs").glob("version_*/metrics.csv"), key=lambda path: int(path.parent.name[8:]))
+    return [{int(row["step"]): float(row["train_loss"]) for row in csv.DictReader(path.open()) if row["train_loss"]}
+            for path in attempts]
+
+
+def test_the_surviving_node_resumes_at_dp_1_with_the_same_global_batch(elastic_run):
+    first, *restarted = _losses_by_attempt(elastic_run)
+    assert restarted, "no restart happened"
+    # the survivors' failure names the group and the cause, not a timeout
+    assert "a rank of that group closed its connection" in (elastic_run / "agent0.log").read_text()
+    resumed = restarted[-1]
+    assert min(resumed) >= KILL_AFTER_STEP and max(resumed) == STEPS - 1  # resumed from a checkpoint, to the end
+    by_two, by_four = (reference_run(STEPS, GLOBAL_BATCH, accumulate=k) for k in (2, 4))
+    for step, loss in first.items():  # dp 2, 2 batches accumulated
+        assert abs(loss - by_two["last_batch_losses"][step]) <= TOLERANCE, step
+    for step, loss in resumed.items():  # dp 1, 4 batches accumulated
+        assert abs(loss - by_four["last_batch_losses"][step]) <= TOLERANCE, step
+    assert set(first) | set(resumed) == set(range(STEPS))
+    meta = read_meta(elastic_run / "checkpoints" / "last.ckpt")
+    assert meta.global_step == STEPS and meta.parallel_sizes == (2, 2, 1) and meta.world_size == 4
+    assert meta.accumulate_grad_batches == 4 and meta.consumed_samples == STEPS * GLOBAL_BATCH
+    weights = load_model_tensors(elastic_run / "checkpoints" / "last.ckpt")
+    for name, expected in by_four["final_params"].items():
+        assert_adam_weights_close(weights[f"model.{name}"], expected, name)
