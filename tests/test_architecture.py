@@ -74,7 +74,9 @@ def test_strategy_signatures_and_docstrings_are_read_from_the_one_declaration(st
         assert parameter.annotation == hints[field.name] and parameter.kind is inspect.Parameter.KEYWORD_ONLY
         assert f"    {field.name}: {field.metadata['help'][:40]}" in strategy.__doc__
     adapter_only = set(parameters) - {field.name for field in dataclasses.fields(ParallelOptions)}
-    assert adapter_only <= {"model_attribute", "async_checkpoint", "process_group_backend", "timeout"}
+    # the Trainer strategy's own: its loop (accumulation), its checkpoint writer, its process groups
+    assert adapter_only <= {"model_attribute", "async_checkpoint", "process_group_backend", "timeout",
+                            "global_batch_size"}
     for name in adapter_only:
         assert f"    {name}: " in strategy.__doc__
 
