@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_tp3d._compat.lightning import log_metrics, should_update_logs
+from lightning_tp3d._compat.lightning import log_metrics, should_accumulate, should_update_logs
 
 __all__ = ["HARDWARE_METRICS", "HardwareMonitor", "NvmlReader", "summarize_ranks"]
 
@@ -98,7 +98,8 @@ class HardwareMonitor(Callback):
             rank_zero_info("HardwareMonitor: no CUDA device in this run, so no GPU metrics are logged.")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self._read is None or not should_update_logs(trainer):
+        # once per logging step: not after the batches a step accumulates before its last one
+        if self._read is None or not should_update_logs(trainer) or should_accumulate(trainer):
             return
         readings: list[Any] = [self._read()]
         if dist.is_initialized() and dist.get_world_size() > 1:
