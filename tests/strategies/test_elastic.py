@@ -67,8 +67,11 @@ def elastic_run(tmp_path_factory) -> Path:
             agents.append(subprocess.Popen(command, cwd=REPOSITORY, env=environment, stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True))
             time.sleep(0.5)
+        # Lightning saves a step's checkpoint before it logs the step's loss: wait for both, so that the
+        # first attempt's log holds every step up to the checkpoint the restart resumes from
         meta, deadline = output / "checkpoints" / "last.ckpt" / "meta.json", time.monotonic() + 300
-        while (json.loads(meta.read_text())["global_step"] if meta.is_file() else -1) < KILL_AFTER_STEP:
+        while ((json.loads(meta.read_text())["global_step"] if meta.is_file() else -1) < KILL_AFTER_STEP
+               or KILL_AFTER_STEP - 1 not in _logged_steps(output)):
             assert time.monotonic() < deadline and all(agent.poll() is None for agent in agents), (
                 (output / "agent0.log").read_text()[-3000:])
             time.sleep(0.1)
@@ -81,6 +84,14 @@ def elastic_run(tmp_path_factory) -> Path:
         for log in logs:
             log.close()
     return output
+
+
+def _logged_steps(output: Path) -> set[int]:
+    """The steps logged so far (a file being written may end in a partial line: read again later)."""
+    try:
+        return {step for attempt in _losses_by_attempt(output) for step in attempt}
+    except ValueError:
+        return set()
 
 
 def _losses_by_attempt(output: Path) -> list[dict[int, float]]:
