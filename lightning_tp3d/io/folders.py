@@ -101,6 +101,9 @@ def replace_folder(staged: Path, path: Path, commit_file: str = MARKER_FILE) -> 
 
 def _replace_on_store(staged: Path, path: Path, commit_file: str) -> None:
     path.fs.invalidate_cache()  # other ranks wrote into `staged` since this process listed it
+    if path.exists() and _marker_kind(path) is None:
+        raise FileExistsError(f"{path} exists and was not written by lightning_tp3d; nothing was replaced. Move it"
+                              f" away or save under another name (the new checkpoint is complete in {staged}).")
     if (path / commit_file).exists():
         (path / commit_file).unlink()  # the earlier folder is incomplete from here on, `staged` complete
     if path.exists():
@@ -113,7 +116,8 @@ def recovered_path(path: Path, is_complete: Callable[[Path], bool]) -> Path:
     """`path`, or where its folder is after a replacement that was interrupted: the new folder
     (`<name>.partial`) if it is complete, else the earlier one (`<name>.replaced`). On remote storage,
     where a replacement copies into `path`, `path` counts once it is complete."""
-    if is_complete(path) if is_remote(path) else path.exists():
+    found = is_complete(path) if is_remote(path) else path.exists()
+    if found:
         return path
     for candidate in (_sibling(path, PARTIAL_SUFFIX), _sibling(path, REPLACED_SUFFIX)):
         if candidate.is_dir() and is_complete(candidate):

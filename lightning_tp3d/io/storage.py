@@ -81,9 +81,9 @@ def remove_folder(folder: Path) -> None:
 
 def copy_folder(source: Path, target: Path, last: str) -> None:
     """Copy every file of the remote folder `source` into `target` (server-side where the store can), the
-    file named `last` after all the others: a reader seeing `last` in `target` sees every file."""
+    file named `last` after all the others: a reader seeing `last` in `target` sees every file. The caller
+    drops fsspec's listing cache first (`source` was written by other processes)."""
     filesystem = _filesystem(source)
-    filesystem.invalidate_cache(source.path)
     root = source.path.rstrip("/") + "/"
     names = sorted(file.removeprefix(root) for file in filesystem.find(source.path))
     for name in [name for name in names if name != last] + [name for name in names if name == last]:

@@ -223,3 +223,14 @@ def test_a_remote_folder_without_its_commit_marker_is_refused(s3_store):
         read_meta(url)
     save_checkpoint(url, _weights(2.0), {}, _meta(2))  # ours: written again in place
     assert read_meta(url).global_step == 2 and not s3_store.exists(f"{BUCKET}/no-commit/step.ckpt.partial")
+
+
+def test_a_remote_folder_this_package_did_not_write_is_never_replaced(s3_store):
+    foreign = f"{BUCKET}/foreign/x.ckpt"
+    s3_store.pipe_file(f"{foreign}/meta.json", b"{}")
+    s3_store.pipe_file(f"{foreign}/weights.bin", b"the user's")
+    with pytest.raises(FileExistsError, match=r"x.ckpt exists and was not written by lightning_tp3d; nothing was"
+                                              r" replaced"):
+        save_checkpoint(f"s3://{foreign}", _weights(1.0), {}, _meta(1))
+    assert s3_store.cat_file(f"{foreign}/weights.bin") == b"the user's"
+    assert s3_store.exists(f"{foreign}/meta.json")
