@@ -275,6 +275,11 @@ RUNTIME_PATCHES = {
     ("diagnostics/traffic.py", "setattr(c10d)"): "gloo's flight recorder records no point-to-point sends; the"
         " traffic recorder counts them while it records, and restores the functions",
     ("diagnostics/traffic.py", "setattr(dist)"): "as setattr(c10d), for the names torch.distributed exports",
+    ("parallel/labels.py", "setattr(c10d)"): "the step profiler needs each collective's mesh group on the"
+        " timeline, and torch's profiler records no group; restored when the profile ends",
+    ("parallel/labels.py", "setattr(dist)"): "as setattr(c10d), for the names torch.distributed exports",
+    ("parallel/labels.py", "setattr(functional_collectives)"): "as setattr(c10d), for DTensor's functional"
+        " collectives and the wait for their results",
     ("_compat/lightning.py", "callback._summary"): "see the `_compat.lightning` docstring: ModelSummary",
     ("_compat/lightning.py", "_saving.pl_load"): "see the `_compat.lightning` docstring: load_from_checkpoint",
     ("_compat/lightning.py", "BaseFinetuning.filter_on_optimizer"): "see the `_compat.lightning` docstring",

@@ -23,6 +23,9 @@ changed between the versions the package supports (`torch>=2.6`).
   hashing writer on remote storage.
 * `default_store` (`distributed_c10d._get_default_store`): the key-value store the default group was
   created with, which answers while collectives hang (the stalled-rank monitor's heartbeats).
+* `functional_collectives` (`torch.distributed._functional_collectives`): the module DTensor's collectives
+  go through (looked up on it at each call), and `group_name_of` (its `_resolve_group_name`): which
+  process group a functional collective's `group` argument means. The step profiler labels them.
 * `pipeline_orders` (a multi-stage schedule's `pipeline_order` and its `_Action`s, built from stand-in
   stages): the order in which each rank runs its stages' actions, for the planner's timeline.
 """
@@ -37,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional_collectives
 from torch import nn
 from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
 from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
@@ -53,6 +57,8 @@ __all__ = [
     "flatten_dense_tensors",
     "foreach_norm",
     "fsspec_dcp_filesystem",
+    "functional_collectives",
+    "group_name_of",
     "is_compiled",
     "local_shape_and_global_offset",
     "loss_scale_tensor",
@@ -119,6 +125,12 @@ def process_group_options(backend: str, timeout: timedelta) -> Any:
     from torch._C._distributed_c10d import Backend
 
     return Backend.Options(backend, timeout)
+
+
+def group_name_of(group: Any) -> str:
+    """The name of the process group a functional collective's `group` argument (a group, a (mesh, dim)
+    pair, ranks or a name) resolves to."""
+    return str(functional_collectives._resolve_group_name(group))
 
 
 def recorded_collectives() -> list[dict[str, Any]]:

@@ -6,10 +6,13 @@
     tp3d export checkpoints/last.ckpt export/hf --dtype bf16 --deploy-tp 2 --max-shard-size 5GB
     tp3d check export/hf --checkpoint checkpoints/last.ckpt
     tp3d verify checkpoints/last.ckpt
+    tp3d profile --config examples/tiny_2x2x2.yaml --steps 3 --output profile
     tp3d plan deepseek-llm-67b --serve --gpu-memory 80GiB --max-model-len 4096 --deploy-tp 4 8
     torchrun --nproc-per-node 8 -m lightning_tp3d.cli doctor --tp 2 --pp 2
 
 `fit`, `validate`, `test` and `predict` run LightningCLI (see `lightning_tp3d.cli.lightning`).
+`profile` runs a `fit` config for a few steps under the step profiler (`lightning_tp3d.cli.profile`)
+and writes where each rank's step time goes, beside the advisor's prediction.
 `plan` validates a layout against a model (a preset or a Hugging Face config.json) and prints the
 per-rank memory ledger for training and the serving alignment, without starting any process.
 `plan --serve` sizes a server: weights and KV cache per GPU for each deploy tensor-parallel size, the
@@ -33,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_tp3d.cli.plan import SERVING_DTYPE, plan_parser
+from lightning_tp3d.cli.profile import profile_arguments
 from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from lightning_tp3d.plan.units import parse_size
 
@@ -260,11 +264,12 @@ def _raised_here(error: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in _LIGHTNING_SUBCOMMANDS:
+    if argv and (argv[0] in _LIGHTNING_SUBCOMMANDS or argv[0] == "profile" and "--help" not in argv[1:2]):
         from lightning_tp3d.cli.lightning import run_lightning_cli
+        from lightning_tp3d.cli.profile import run_profile
 
         try:
-            return run_lightning_cli(argv)
+            return run_profile(argv[1:]) if argv[0] == "profile" else run_lightning_cli(argv)
         except (ValueError, RuntimeError) as error:  # CheckpointError is a RuntimeError
             if not _raised_here(error):
                 raise
@@ -274,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, description in _LIGHTNING_SUBCOMMANDS.items():  # listed here, run by LightningCLI above
         subparsers.add_parser(name, help=description, add_help=False)
+    subparsers.add_parser("profile", help="where each rank's step time goes (a fit config, under the step profiler)",
+                          parents=[profile_arguments()], add_help=False)
     plan_parser(subparsers)
     _export_parser(subparsers)
     _check_parser(subparsers)

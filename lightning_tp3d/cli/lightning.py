@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_tp3d.strategies.trainer import TP3DStrategy
@@ -30,7 +31,12 @@ __all__ = ["TP3DLightningCLI", "run_lightning_cli"]
 
 
 class TP3DLightningCLI(LightningCLI):
-    """`LightningCLI` with a `tp3d:` section holding the arguments of `trainer.strategy: tp3d`."""
+    """`LightningCLI` with a `tp3d:` section holding the arguments of `trainer.strategy: tp3d`; with `profiler`
+    (`tp3d profile`), `fit` runs with that callback and without the run's checkpoint callbacks."""
+
+    def __init__(self, *args: Any, profiler: Callback | None = None, **kwargs: Any) -> None:
+        self.profiler = profiler
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(TP3DStrategy, "tp3d")
@@ -41,10 +47,16 @@ class TP3DLightningCLI(LightningCLI):
             kwargs["strategy"] = config.get("tp3d")
         return super().instantiate_trainer(**kwargs)
 
+    def before_fit(self) -> None:
+        if self.profiler is not None:  # a profile writes no checkpoint over the run's own
+            self.trainer.callbacks = [callback for callback in self.trainer.callbacks
+                                      if not isinstance(callback, Checkpoint)] + [self.profiler]
 
-def run_lightning_cli(args: Sequence[str]) -> int:
+
+def run_lightning_cli(args: Sequence[str], profiler: Callback | None = None) -> int:
     """LightningCLI on `args` (the subcommand first); the process's own command line is left for it to read,
     which it does without warning that `args=` is meant for calls from Python."""
     TP3DLightningCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                     args=None if list(args) == sys.argv[1:] else list(args), save_config_kwargs={"overwrite": True})
+                     args=None if list(args) == sys.argv[1:] else list(args), save_config_kwargs={"overwrite": True},
+                     profiler=profiler)
     return 0

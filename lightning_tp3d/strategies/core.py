@@ -31,6 +31,7 @@ from lightning_tp3d.io.hf import load_hf_weights
 from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.parallel.data_parallel import DataParallel, build_data_parallel
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
+from lightning_tp3d.parallel.labels import DP_PHASE, label
 from lightning_tp3d.parallel.mesh import build_device_mesh, mesh_device
 from lightning_tp3d.parallel.nf4 import quantized_parameters
 from lightning_tp3d.parallel.pipeline import GradientHandOver, PipelineRunner
@@ -170,16 +171,16 @@ class ParallelCore:
     def all_reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """The dp average of the gradients (`DataParallel.reduce_gradients`: each gradient cut like its
         parameter, then all-reduced, waited for where backward launched it, or reduce-scattered to the
-        optimizer's parts in `"zero1"` mode; FSDP2 reduced them itself). Returns the parameters that now
-        hold the reduced gradients. The host seconds this takes after backward are kept in
-        `last_gradient_wait_seconds` (the exposed dp time).
+        optimizer's parts in `"zero1"` mode; FSDP2 reduced them itself). Returns the parameters that now hold
+        the reduced gradients; the host seconds this takes are `last_gradient_wait_seconds` (exposed dp time).
 
         Once per backward: a later call returns the first call's parameters without reducing again (manual
         optimization clips before its `optimizer.step()`, and both need the reduced gradients)."""
         if self._reduced_parameters is not None:
             return self._reduced_parameters
         started = time.perf_counter()
-        parameters = self.data_parallel.reduce_gradients(list(parameters))
+        with label(DP_PHASE + "reduce_gradients"):
+            parameters = self.data_parallel.reduce_gradients(list(parameters))
         self.last_gradient_wait_seconds = time.perf_counter() - started
         self._reduced_parameters = parameters
         return parameters

@@ -40,6 +40,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from lightning_tp3d._compat.torch import all_gather_single, reduce_scatter_single
 from lightning_tp3d.parallel.data_parallel.protocol import DataParallel
+from lightning_tp3d.parallel.labels import DP_PHASE, label
 from lightning_tp3d.parallel.tensor import local_part
 from lightning_tp3d.plan.communication import BUCKET_BYTES
 from lightning_tp3d.plan.data_parallel import DataParallelPlan
@@ -222,7 +223,8 @@ class ShardedOptimizerState(DataParallel):
 
     def after_optimizer_step(self) -> None:
         if self._sharding is not None:
-            self._sharding.all_gather_parameters()
+            with label(DP_PHASE + "all_gather_parameters"):
+                self._sharding.all_gather_parameters()
 
     def optimizer_owner(self, module: nn.Module) -> nn.Module:
         return self._sharding.state_module if self._sharding is not None else module

@@ -17,6 +17,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from lightning_tp3d._compat.torch import AsyncCollectiveTensor
+from lightning_tp3d.parallel.labels import PIPELINE_COMPUTE, PIPELINE_SCHEDULE, label
 from lightning_tp3d.parallel.timing import DeviceInterval
 from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, PipelinePlan
 
@@ -75,7 +76,8 @@ def _time_compute(stage: PipelineStage, timing: StageTiming) -> None:
         def timed(*args: object, _compute=compute, **kwargs: object) -> object:
             interval = timing.chunk()
             try:
-                return _compute(*args, **kwargs)
+                with label(PIPELINE_COMPUTE):
+                    return _compute(*args, **kwargs)
             finally:
                 interval.stop()
 
@@ -197,12 +199,13 @@ class PipelineRunner:
         schedule = self._schedule(input_ids.shape)
         args = (input_ids,) if self.has_first_stage else ()
         losses: list[torch.Tensor] = []
-        self.timing.start_step()
         # A schedule's first step infers the stages' shapes by a backward through uninitialised tensors (torch
         # 2.13), which anomaly detection (`Trainer(detect_anomaly=True)`) takes for a NaN on the last stage only.
-        with torch.autograd.set_detect_anomaly(False) if first_step else contextlib.nullcontext():
-            schedule.step(*args, target=labels if self.has_last_stage else None, losses=losses)
-        self.timing.stop_step()
+        with label(PIPELINE_SCHEDULE):
+            self.timing.start_step()
+            with torch.autograd.set_detect_anomaly(False) if first_step else contextlib.nullcontext():
+                schedule.step(*args, target=labels if self.has_last_stage else None, losses=losses)
+            self.timing.stop_step()
         loss = None
         if self.has_last_stage:
             loss = torch.stack([value.detach() for value in losses]).mean() / self.loss_scale
