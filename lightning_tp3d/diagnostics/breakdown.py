@@ -56,6 +56,14 @@ _FIXES = {
     "rest": "less work in callbacks and logging each step (a larger log_every_n_steps)",
 }
 
+_MODEL_FIXES = {  # what the advisor assumed for each part it predicts, and how to give it the real figure
+    "compute": "it assumes peak_tflops x mfu: give the GPU's with --peak-tflops / --mfu",
+    "pipeline idle": "it counts the 1F1B bubble, (pp - 1) / m x compute; idle beyond that is work between the"
+                     " stages' chunks: transfers waited for and Python per micro-batch",
+    **{name: "measure the links with `tp3d doctor` and give their bandwidth as link_gbps / --link-gbps"
+       for name in ("tp collectives", "pipeline send/recv", "dp communication")},
+}
+
 
 @dataclass(frozen=True)
 class TimedRange:
@@ -161,6 +169,5 @@ def rules_of_thumb(components: dict[str, float], step_seconds: float, pipeline_i
         measured = components[name]
         if abs(measured - predicted) > max(0.5 * predicted, 0.05 * step_seconds):
             warnings.append((f"prediction: {name}", f"the advisor predicts {predicted:.4f} s of {name}, measured"
-                             f" {measured:.4f} s: its model of that part is off here (measure the links with"
-                             " `tp3d doctor` and give their bandwidth as link_gbps / --link-gbps)."))
+                             f" {measured:.4f} s: its model of that part is off here ({_MODEL_FIXES[name]})."))
     return warnings

@@ -3,12 +3,14 @@ machine, c10d rendezvous, `--nnodes 1:2 --max-restarts 3`) train `examples/train
 (tp, pp, dp) = (2, 2, 2), a global batch of 8 (per-rank batches of 2, 2 accumulated), saving `last.ckpt`
 every step. Once a checkpoint of step 3 exists, the second agent and its workers are killed (SIGKILL).
 The first agent's workers fail in their next collective, it restarts them at a world of 4, and they
-resume by themselves (`ckpt_path="last"`) at dp 1, accumulating 4, to step 8.
+resume by themselves (`ckpt_path="last"`) at dp 1, accumulating 4. Once they have logged a step, the
+node comes back: a third agent with the same command joins the rendezvous, the first agent restarts its
+workers (a membership change), and the world of 8 resumes at dp 2, accumulating 2, to step 12.
 
 Every step's logged loss (Lightning's CSVLogger, one file per attempt) equals the single-process run with
 the same global batch (the last accumulated batch's loss, fp32 1e-5), so every step trained on the same
 samples: none repeated, none skipped; the final checkpoint's weights are that run's, and its data
-position counts 8 x 8 samples.
+position counts 12 x 8 samples.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tests.helpers import LEARNING_RATE, SEQ_LEN, assert_adam_weights_close, ref
 pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-STEPS, GLOBAL_BATCH, PER_RANK_BATCH = 8, 8, 2
+STEPS, GLOBAL_BATCH, PER_RANK_BATCH = 12, 8, 2
 KILL_AFTER_STEP = 3
 TOLERANCE = 1e-5
 
@@ -76,7 +78,16 @@ def elastic_run(tmp_path_factory) -> Path:
                 (output / "agent0.log").read_text()[-3000:])
             time.sleep(0.1)
         _kill_node(agents[1])
-        assert agents[0].wait(timeout=600) == 0, (output / "agent0.log").read_text()[-5000:]
+        deadline = time.monotonic() + 300
+        while len(_logged_attempts(output)) < 2:  # the survivors resumed at dp 1 and logged a step
+            assert time.monotonic() < deadline and agents[0].poll() is None, (
+                (output / "agent0.log").read_text()[-3000:])
+            time.sleep(0.1)
+        with open(output / "agent2.log", "w") as log:  # the node comes back
+            agents.append(subprocess.Popen(command, cwd=REPOSITORY, env=environment, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+        for index in (0, 2):
+            assert agents[index].wait(timeout=600) == 0, (output / f"agent{index}.log").read_text()[-5000:]
     finally:
         for agent in agents:
             if agent.poll() is None:
@@ -94,28 +105,36 @@ def _logged_steps(output: Path) -> set[int]:
         return set()
 
 
+def _logged_attempts(output: Path) -> list[dict[int, float]]:
+    """The attempts that have logged a step so far."""
+    try:
+        return [attempt for attempt in _losses_by_attempt(output) if attempt]
+    except ValueError:
+        return []
+
+
 def _losses_by_attempt(output: Path) -> list[dict[int, float]]:
     attempts = sorted((output / "logs").glob("version_*/metrics.csv"), key=lambda path: int(path.parent.name[8:]))
     return [{int(row["step"]): float(row["train_loss"]) for row in csv.DictReader(path.open()) if row["train_loss"]}
             for path in attempts]
 
 
-def test_the_surviving_node_resumes_at_dp_1_with_the_same_global_batch(elastic_run):
-    first, *restarted = _losses_by_attempt(elastic_run)
-    assert restarted, "no restart happened"
+def test_the_surviving_node_resumes_at_dp_1_and_the_returning_node_grows_dp_back(elastic_run):
+    first, *restarted = [attempt for attempt in _losses_by_attempt(elastic_run) if attempt]
+    assert len(restarted) == 2, f"attempts that logged steps after the first: {restarted}"
+    shrunk, grown = restarted
     # the survivors' failure names the group and the cause, not a timeout
     assert "a rank of that group closed its connection" in (elastic_run / "agent0.log").read_text()
-    resumed = restarted[-1]
-    assert min(resumed) >= KILL_AFTER_STEP and max(resumed) == STEPS - 1  # resumed from a checkpoint, to the end
+    # each attempt resumed from a checkpoint: no step before the previous attempt's last, none missing
+    assert min(shrunk) >= KILL_AFTER_STEP and min(grown) > min(shrunk) and max(grown) == STEPS - 1
+    assert set(first) | set(shrunk) | set(grown) == set(range(STEPS))
     by_two, by_four = (reference_run(STEPS, GLOBAL_BATCH, accumulate=k) for k in (2, 4))
-    for step, loss in first.items():  # dp 2, 2 batches accumulated
-        assert abs(loss - by_two["last_batch_losses"][step]) <= TOLERANCE, step
-    for step, loss in resumed.items():  # dp 1, 4 batches accumulated
-        assert abs(loss - by_four["last_batch_losses"][step]) <= TOLERANCE, step
-    assert set(first) | set(resumed) == set(range(STEPS))
+    for attempt, reference in ((first, by_two), (shrunk, by_four), (grown, by_two)):  # dp 2, 1, 2
+        for step, loss in attempt.items():
+            assert abs(loss - reference["last_batch_losses"][step]) <= TOLERANCE, step
     meta = read_meta(elastic_run / "checkpoints" / "last.ckpt")
-    assert meta.global_step == STEPS and meta.parallel_sizes == (2, 2, 1) and meta.world_size == 4
-    assert meta.accumulate_grad_batches == 4 and meta.consumed_samples == STEPS * GLOBAL_BATCH
+    assert meta.global_step == STEPS and meta.parallel_sizes == (2, 2, 2) and meta.world_size == 8
+    assert meta.accumulate_grad_batches == 2 and meta.consumed_samples == STEPS * GLOBAL_BATCH
     weights = load_model_tensors(elastic_run / "checkpoints" / "last.ckpt")
-    for name, expected in by_four["final_params"].items():
+    for name, expected in by_two["final_params"].items():
         assert_adam_weights_close(weights[f"model.{name}"], expected, name)
