@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import Profiler
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.autograd.profiler import record_function
 
 from lightning_tp3d.diagnostics.breakdown import TimedRange, component_of, exclusive_segments, step_components
@@ -91,8 +92,9 @@ class _ActionRanges(Profiler):
 
 
 class StepProfiler(Callback):
-    """Profile optimizer steps `warmup_steps + 1` to `warmup_steps + steps` of a fit with `TP3DStrategy` and
-    write the breakdown into `output` (see the module docstring).
+    """Profile optimizer steps `warmup_steps + 1` to `warmup_steps + steps` of a fit with `TP3DStrategy`,
+    counted from where the fit starts (a resumed one too), and write the breakdown into `output` (see the
+    module docstring); a fit that ends before the last of them warns that no profile was written.
 
     The advisor's prediction runs on a cluster of this run's world: `peak_tflops` x `mfu` is the compute
     rate (default on a GPU: `plan.advisor.Cluster`'s H100 / H200 figures; on a CPU, which has no known
@@ -119,6 +121,7 @@ class StepProfiler(Callback):
         self._profile: torch.profiler.profile | None = None
         self._recorders: list[Any] = []
         self._step_range: record_function | None = None
+        self._first_step: int | None = None
         self._last_step, self._step_started = -1, (0.0, 0.0)
         self._host_seconds: list[float] = []
         self._clock_uncertainty: list[float] = []
@@ -144,10 +147,17 @@ class StepProfiler(Callback):
         self._stop_recording()
         if self._actions is not None and trainer.profiler is self._actions:
             trainer.profiler = self._actions.inner
+        if stage == "fit" and self._first_step is not None and self.local is None:
+            rank_zero_warn(f"StepProfiler wrote no profile: the fit ended after {max(self._last_step, 0)} of the"
+                           f" {self.warmup_steps + self.steps} steps it needs (warmup_steps + steps); run it longer"
+                           " or profile fewer steps.")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._first_step = trainer.global_step  # a resumed fit starts at its checkpoint's step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step = trainer.global_step
+        step = trainer.global_step - (self._first_step or 0)
         if step == self._last_step:  # an accumulating batch: the step goes on
             return
         self._last_step = step

@@ -140,3 +140,11 @@ def test_a_profile_that_cannot_run_is_refused_before_the_fit():
     trainer = SimpleNamespace(strategy=TP3DStrategy(), max_steps=4)
     with pytest.raises(ValueError, match="raise max_steps to at least 5"):
         profiler.setup(trainer, None, "fit")
+
+
+def test_a_fit_that_ends_before_the_profile_says_so():
+    profiler = StepProfiler(warmup_steps=2, steps=3)
+    profiler.on_train_start(SimpleNamespace(global_step=10), None)  # a fit resumed at step 10
+    profiler.on_train_batch_end(SimpleNamespace(global_step=11), None, None, None, 0)  # one step, no profile yet
+    with pytest.warns(UserWarning, match="the fit ended after 1 of the 5 steps it needs"):
+        profiler.teardown(SimpleNamespace(profiler=None), None, "fit")
