@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_tp3d.models.llama import causal_lm_loss
 from lightning_tp3d.parallel.pipeline import PipelineStages, StageLoss
 from lightning_tp3d.parallel.tensor import ReplicateBlockInput, TensorParallelPlan
+from lightning_tp3d.parallel.vocab_parallel import VocabParallelHead
 from lightning_tp3d.plan.sharding import EMBEDDING, HEAD, LAYER_WEIGHTS
 
 __all__ = ["MODEL_SHAPE_FIELDS", "ModelAdapter", "llama_tp_plan", "shaped_config"]
@@ -60,11 +61,12 @@ def shaped_config(owner: object) -> Any | None:
 def llama_tp_plan() -> dict[str, ParallelStyle]:
     """Megatron's plan for Hugging Face Llama names, relative to the `LlamaForCausalLM` root, from the split
     table `plan.sharding` (the one the deploy shards and the ledger use): q/k/v and gate/up column parallel,
-    o and down row parallel, the embedding vocab parallel, the head column parallel over the vocabulary,
+    o and down row parallel, the embedding vocab parallel, the head column parallel over the vocabulary
+    (its logits left split for the package's loss: `parallel.vocab_parallel.VocabParallelHead`),
     norms replicated, each sub-block's input replicated once (`parallel.tensor.ReplicateBlockInput`)."""
     plan: dict[str, ParallelStyle] = {
         EMBEDDING.module: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        HEAD.module: ColwiseParallel(output_layouts=Replicate()),
+        HEAD.module: VocabParallelHead(),
     }
     layer_styles = {"column": ColwiseParallel, "row": RowwiseParallel}
     for sub_block in sorted({weight.module.split(".")[0] for weight in LAYER_WEIGHTS if weight.split == "column"}):

@@ -28,9 +28,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_tp3d.models.adapter import ModelAdapter
+from lightning_tp3d.models.cross_entropy import chunked_cross_entropy
+from lightning_tp3d.models.llama import IGNORE_INDEX
 from lightning_tp3d.parallel.pipeline.stages import PipelineStages, StageLoss
+from lightning_tp3d.parallel.vocab_parallel import takes_sharded_logits
 
 __all__ = ["HuggingFaceCausalLMAdapter", "HuggingFaceStages", "is_huggingface_causal_lm"]
 
@@ -88,12 +92,22 @@ class HuggingFaceStages(PipelineStages):
                                  network.lm_head if last else None)
 
     def loss_function(self, network: nn.Module) -> StageLoss:
+        """The model's own loss; transformers' causal-LM loss also takes the head's logits split over tp's
+        vocabulary, computed then by `models.cross_entropy` on the shifted labels (no gather)."""
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
         vocab_size = network.config.vocab_size
 
         def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return network.loss_function(logits=logits, labels=labels, vocab_size=vocab_size)
 
-        return loss
+        def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            if isinstance(logits, DTensor):  # ForCausalLMLoss's shift: position s predicts label s + 1
+                shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+                return chunked_cross_entropy(logits, shifted, ignore_index=IGNORE_INDEX)
+            return loss(logits, labels)
+
+        return takes_sharded_logits(causal_lm_loss) if network.loss_function is ForCausalLMLoss else loss
 
     def call_arguments(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                        attention_mask: torch.Tensor | None = None, **unexpected: Any

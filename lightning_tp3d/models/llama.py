@@ -15,6 +15,7 @@ parallel q/k/v projection each tp rank runs attention over its own `heads / tp` 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 
 from lightning_tp3d.models.cross_entropy import chunked_cross_entropy
 from lightning_tp3d.parallel.materialize import local_region, seeded_normal_
+from lightning_tp3d.parallel.vocab_parallel import loss_takes_sharded_logits, sharded_logits, takes_sharded_logits
 from lightning_tp3d.plan.config import ModelConfig
 
 __all__ = ["IGNORE_INDEX", "LlamaForCausalLM", "causal_lm_loss"]
@@ -30,9 +32,11 @@ __all__ = ["IGNORE_INDEX", "LlamaForCausalLM", "causal_lm_loss"]
 IGNORE_INDEX = -100
 
 
+@takes_sharded_logits
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean token cross entropy over labels != -100; `labels[b, s]` is the target of position s. In float32,
-    chunk by chunk (`models.cross_entropy`): the logits are never copied whole to float32."""
+    chunk by chunk (`models.cross_entropy`): the logits are never copied whole to float32, nor gathered
+    when tp splits them over the vocabulary."""
     return chunked_cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
 
 
@@ -210,8 +214,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor:
         x = self.model(input_ids)
+        loss_takes_them = labels is not None and loss_takes_sharded_logits(self.loss_function)
         if self.lm_head is not None:
-            x = self.lm_head(x)
+            with sharded_logits() if loss_takes_them else contextlib.nullcontext():
+                x = self.lm_head(x)  # split over the vocabulary under tp when the loss takes them so
         if labels is None:
             return x
         return self.loss_function(x, labels)

@@ -14,7 +14,9 @@ the wire follow the ring algorithms NCCL and gloo use:
 
 tp (Megatron's count, per micro-batch and pass, k m passes per step):
     forward:  2 all-reduces of b s h per layer (the row-parallel o and down outputs); stage 0 adds one
-              for the vocab-parallel embedding; the last stage all-gathers its b s V / t logits.
+              for the vocab-parallel embedding; the last stage all-gathers its loss's 2 b s float32
+              statistics (`models.cross_entropy`: each row's logsumexp and target logit over the rank's
+              V / t columns), never the logits.
     backward: 2 all-reduces of b s h per layer (the input gradients of the attention and MLP
               sub-blocks, each made once: `parallel.tensor.ReplicateBlockInput`); the last stage adds one
               for the head's input gradient. A layer under `full` recompute repeats its attention output's
@@ -223,7 +225,7 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
     """Per-step transfers of one rank of every pipeline stage (see the module docstring)."""
     layout.validate_model(config)
     tp, pp, dp = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size
-    h, vocab = config.hidden_size, config.vocab_size
+    h = config.hidden_size
     passes = layout.gradient_accumulation_steps * layout.num_microbatches
     tokens = layout.micro_batch_size * options.seq_len
     sixteen_bit = options.precision != "32-true"
@@ -254,7 +256,8 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
             if first:
                 transfers.append(Transfer("tp", "all_reduce", passes, tokens * h, stream, "vocab-parallel embedding"))
             if last:
-                transfers.append(Transfer("tp", "all_gather", passes, tokens * vocab // tp, low, "logits"))
+                transfers.append(Transfer("tp", "all_gather", passes, 2 * tokens, 4,
+                                          "loss statistics (vocab-parallel cross entropy)"))
         if pp > 1:
             transfers.append(Transfer("pp", "send", passes * held.sends, tokens * h, stream,
                                       "activations forward, their gradients back", hideable=True))

@@ -19,9 +19,10 @@ dim (a d = h), V vocab, L layers, t tp, s sequence length, b micro-batch.
   o-projection input, and the SwiGLU's gate, up, activation and product). A layer under `full`
   recompute keeps only its input, s b h; under `selective` recompute (attention core) it drops the
   core's output and softmax statistics, s b (h + a) / t. The last stage adds the loss path
-  (`plan.loss.loss_activation_bytes`: the logits and their gradient, 2 s b V x element, and the chunked
-  loss's float32 temporaries), all freed before the layers' backward starts; recomputing
-  a layer adds back what it dropped. So with r of a stage's L layers recomputed, the peak is
+  (`plan.loss.loss_activation_bytes`: the logits and their gradient, 2 s b V / t x element, split over
+  tp by the vocab-parallel loss, and the chunked loss's float32 temporaries), all freed before the
+  layers' backward starts; recomputing a layer adds back what it dropped. So with r of a stage's L
+  layers recomputed, the peak is
       (L - r) x layer + r x kept + max(logits on the last stage, layer - kept if r > 0).
   Measured on the tiny model (MemTracker, s = 64, b = 4, fp32) the estimate is 7% below the peak of
   activations and backward temporaries for none, full and selective alike.
@@ -238,7 +239,7 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
         if options.recompute != "none":
             recomputed = len(recomputed_layers(layers, options.recompute_method, options.recompute_num_layers))
         elements = (num_layers - recomputed) * full_layer + recomputed * kept_when_recomputed
-        logits_bytes = loss_activation_bytes(s * b, config.vocab_size, activation) if last else 0
+        logits_bytes = loss_activation_bytes(s * b, config.vocab_size // tp, activation) if last else 0
         recompute_bytes = (full_layer - kept_when_recomputed) * activation if recomputed else 0
         activation_bytes = elements * activation + max(logits_bytes, recompute_bytes)
         in_flight = activations_in_flight(options.schedule, pp, stage, m, options.stages_per_rank)

@@ -19,6 +19,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from lightning_tp3d._compat.torch import AsyncCollectiveTensor
 from lightning_tp3d.parallel.labels import PIPELINE_COMPUTE, PIPELINE_SCHEDULE, label
 from lightning_tp3d.parallel.timing import DeviceInterval
+from lightning_tp3d.parallel.vocab_parallel import loss_takes_sharded_logits, sharded_logits
 from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, PipelinePlan
 
 __all__ = ["PipelineRunner", "StageTiming"]
@@ -110,6 +111,8 @@ class PipelineRunner:
         self.has_first_stage = 0 in plan.stage_indices
         self.has_last_stage = plan.num_stages - 1 in plan.stage_indices
         self.timing = StageTiming(device.type)
+        # the last stage's logits stay split over tp's vocabulary where the loss takes them so
+        self._loss_logits = sharded_logits if loss_takes_sharded_logits(loss_fn) else contextlib.nullcontext
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) * self.loss_scale
@@ -182,7 +185,8 @@ class PipelineRunner:
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, train: bool) -> torch.Tensor:
         if labels is None or not train:
-            output = self._forward_only(input_ids)
+            with self._loss_logits() if labels is not None else contextlib.nullcontext():
+                output = self._forward_only(input_ids)
             if labels is None:
                 shape = torch.tensor(output.shape if self.has_last_stage else [0, 0, 0], device=self.device)
                 dist.broadcast(shape, src=self._last_stage_src, group=self.pp_group)
@@ -203,7 +207,8 @@ class PipelineRunner:
         # 2.13), which anomaly detection (`Trainer(detect_anomaly=True)`) takes for a NaN on the last stage only.
         with label(PIPELINE_SCHEDULE):
             self.timing.start_step()
-            with torch.autograd.set_detect_anomaly(False) if first_step else contextlib.nullcontext():
+            with (torch.autograd.set_detect_anomaly(False) if first_step else contextlib.nullcontext(),
+                  self._loss_logits()):
                 schedule.step(*args, target=labels if self.has_last_stage else None, losses=losses)
             self.timing.stop_step()
         loss = None
