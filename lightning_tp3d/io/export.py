@@ -37,6 +37,7 @@ from lightning_tp3d.io.folders import check_output_folder, replace_folder, stagi
 from lightning_tp3d.io.frozen_base import open_frozen_base
 from lightning_tp3d.io.hf import (
     EXPORT_DTYPES,
+    exported_as_held,
     hf_config_for,
     write_safetensors,
 )
@@ -98,6 +99,10 @@ def export_checkpoint(
             " Hugging Face config.json cannot be written."
         )
     config = ModelConfig.from_dict(meta.model_config)
+    if deploy_sizes and exported_as_held(meta.model_config):
+        raise ValueError(
+            f"deploy shards follow Llama's split table, not {meta.model_config['model_type']}'s: export without"
+            " --deploy-tp and let the serving engine split the merged folder (vLLM: --tensor-parallel-size).")
     for size in deploy_sizes:
         check_deploy_tp(config, size)
     prefix = meta.network_prefix
@@ -131,7 +136,7 @@ def _write_merged(output: Path, meta: CheckpointMeta, shapes: dict[str, tuple[in
     def load(name: str) -> torch.Tensor:
         return merge.load(name, read) if merge is not None else read([name])[name]
 
-    required = hf_tensor_names(config)
+    required = [] if exported_as_held(meta.model_config) else hf_tensor_names(config)
     missing = [name for name in required if name not in shapes]
     if missing:
         raise CheckpointError(

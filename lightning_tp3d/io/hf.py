@@ -33,9 +33,8 @@ from torch.distributed.tensor import DTensor
 from lightning_tp3d.parallel.materialize import local_region
 from lightning_tp3d.plan.config import ModelConfig
 
-__all__ = ["EXPORT_DTYPES", "HFFolder", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "hf_config", "hf_config_for",
-           "load_hf_weights",
-           "open_hf_folder", "write_safetensors"]
+__all__ = ["EXPORTED_AS_HELD", "EXPORT_DTYPES", "HFFolder", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX",
+           "exported_as_held", "hf_config", "hf_config_for", "load_hf_weights", "open_hf_folder", "write_safetensors"]
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -57,6 +56,17 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "torch_dtype": _TORCH_DTYPE_NAMES[dtype],
     }
 
+
+
+# `transformers` model types whose tensors are not Llama's: exported under the names the checkpoint holds
+# (the model's own), every one of them, with no Llama names to check and no deploy shards (whose split
+# table is Llama's).
+EXPORTED_AS_HELD = ("deepseek_v3",)
+
+
+def exported_as_held(saved: dict[str, Any]) -> bool:
+    """Whether a checkpoint's recorded model config is one of `EXPORTED_AS_HELD`."""
+    return saved.get("model_type") in EXPORTED_AS_HELD
 
 
 def hf_config_for(saved: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:

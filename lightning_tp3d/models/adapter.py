@@ -93,6 +93,15 @@ class ModelAdapter:
         """Whether `network` belongs to this family (the base class takes any network)."""
         return True
 
+    @classmethod
+    def for_network(cls, network: nn.Module) -> ModelAdapter:
+        """This family's adapter for `network` (a family whose plan follows the network's config reads it)."""
+        return cls()
+
+    def check_features(self, *, recompute: str = "none", compiled: bool = False, float8: str | None = None,
+                       peft: bool = False) -> None:
+        """Refuse, with the reason, a training feature this family is not tested with (this one takes all)."""
+
     @property
     def name(self) -> str:
         """The family, as error messages and logs name it."""

@@ -2,7 +2,8 @@
 
 `resolve_model_adapter(network, given)` returns `given` (the strategy's `model_adapter` option: an
 adapter, its class, or its import path `"package.module:name"`) or else the first family of
-`MODEL_FAMILIES` whose `matches(network)` holds; the base `ModelAdapter` (Llama names) takes the rest.
+`MODEL_FAMILIES` whose `matches(network)` holds (built by `for_network(network)`); the base
+`ModelAdapter` (Llama names) takes the rest.
 A family added to the package goes into `MODEL_FAMILIES` before the families it specialises.
 
 A wrapper (`WRAPPER_FAMILIES`: PEFT's `PeftModel`) holds another model: its adapter is built `around`
@@ -14,6 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_tp3d.models.adapter import ModelAdapter
+from lightning_tp3d.models.deepseek import DeepseekV3Adapter
 from lightning_tp3d.models.huggingface import HuggingFaceCausalLMAdapter
 from lightning_tp3d.models.lora import PeftLoraAdapter
 from lightning_tp3d.parallel.attributes import import_object
@@ -21,7 +23,7 @@ from lightning_tp3d.parallel.attributes import import_object
 __all__ = ["MODEL_FAMILIES", "ModelAdapterOption", "WRAPPER_FAMILIES", "check_model_adapter",
            "resolve_model_adapter"]
 
-MODEL_FAMILIES: tuple[type[ModelAdapter], ...] = (HuggingFaceCausalLMAdapter, ModelAdapter)
+MODEL_FAMILIES: tuple[type[ModelAdapter], ...] = (DeepseekV3Adapter, HuggingFaceCausalLMAdapter, ModelAdapter)
 WRAPPER_FAMILIES = (PeftLoraAdapter,)
 
 ModelAdapterOption = ModelAdapter | type[ModelAdapter] | str | None
@@ -49,4 +51,4 @@ def resolve_model_adapter(network: nn.Module, given: ModelAdapterOption = None) 
     for wrapper in WRAPPER_FAMILIES:
         if wrapper.matches(network):
             return wrapper.around(resolve_model_adapter(wrapper.inner_network(network)), network)
-    return next(family() for family in MODEL_FAMILIES if family.matches(network))
+    return next(family.for_network(network) for family in MODEL_FAMILIES if family.matches(network))

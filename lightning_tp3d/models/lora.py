@@ -154,6 +154,8 @@ class PeftLoraAdapter(ModelAdapter):
     def around(cls, inner: ModelAdapter, network: nn.Module) -> PeftLoraAdapter:
         """The adapter of `network` (a PeftModel) whose adapted model has the adapter `inner`."""
         from peft.tuners.lora import LoraLayer
+
+        inner.check_features(peft=True)
         from peft.utils.other import ModulesToSaveWrapper
 
         for name, config in network.peft_config.items():

@@ -33,6 +33,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -43,6 +44,7 @@ from lightning_tp3d.parallel.materialize import retie, tied_parameter_groups
 
 __all__ = [
     "ReplicateBlockInput",
+    "SharedAcrossHeads",
     "local_part",
     "TensorParallelPlan",
     "apply_tensor_parallel",
@@ -78,6 +80,36 @@ def _replicate_input(mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...],
     if "hidden_states" in kwargs:
         return args, {**kwargs, "hidden_states": replicated(kwargs["hidden_states"])}
     return args, kwargs
+
+
+class SharedAcrossHeads(ParallelStyle):
+    """A replicated module whose output's last `columns` are read by every tp rank's own heads (MLA's
+    rotary key: one head shared by all). Each rank's gradient for those columns is then the sum over its
+    heads only, so backward all-reduces it over tp here; the other columns' gradients come back whole
+    (through column-parallel projections, whose input gradients are all-reduced where they are made)."""
+
+    def __init__(self, columns: int) -> None:
+        super().__init__()
+        self.columns = columns
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        module.register_forward_hook(lambda _module, _inputs, output: _SumLastColumnsGradient.apply(
+            output, self.columns, group))
+        return module
+
+
+class _SumLastColumnsGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, columns: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.columns, ctx.group = columns, group
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        shared = grad[..., -ctx.columns:].contiguous()
+        dist.all_reduce(shared, group=ctx.group)
+        return torch.cat([grad[..., :-ctx.columns], shared], dim=-1), None, None
 
 
 def resolve_tp_plan(plan: TensorParallelPlan | Callable[[], TensorParallelPlan] | str | None

@@ -58,6 +58,7 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
     accumulation). Returns the pipeline runner and the gradient hand-over (None, None without pipelining)."""
     check_quantized_base(network, layout, sharded_over_dp=data_parallel.plan.parameter_shards > 1)
     check_peft_construction(network, options.pretrained)
+    adapter.check_features(recompute=options.recompute, compiled=options.compile is not None, float8=options.float8)
     tp_plan = adapter.tp_plan()
     if layout.tensor_parallel_size > 1:
         check_plan_matches(network, tp_plan, adapter.name)
