@@ -1,0 +1,123 @@
+"""Mixture-of-experts decoders with multi-head latent attention (DeepSeek-V2 / V3): their parameters, in all
+and active per token, and the routed experts' share of them.
+
+Shapes, with transformers' field names: h hidden, V vocab, L blocks of which the first k are dense, a
+heads, r_q / r_kv the query / key-value latent ranks (no query latent: r_q = None), d_n / d_r / d_v a
+head's non-rotary, rotary and value dims, f the dense MLP's and f_e an expert's intermediate size, E
+routed experts of which K serve each token, S shared experts.
+
+    attention  = h r_q + r_q + r_q a (d_n + d_r)      (q_a_proj, q_a_layernorm, q_b_proj;
+                                                       h a (d_n + d_r) without a query latent: q_proj)
+               + h (r_kv + d_r) + r_kv                 (kv_a_proj_with_mqa, kv_a_layernorm)
+               + r_kv a (d_n + d_v) + a d_v h          (kv_b_proj, o_proj)
+    expert     = 3 h f_e                               (gate, up, down; a shared expert alike)
+    dense MLP  = 3 h f
+    MoE MLP    = E expert + S expert + E h              (routed, shared, the router's weight)
+    block      = attention + 2 h + (dense MLP or MoE MLP)
+    total      = V h (embedding) + L blocks + h (final norm) + V h (head, unless tied)
+
+The router's score-correction bias (DeepSeek-V3's auxiliary-loss-free balancing) is a buffer, not a
+parameter. Active parameters per token count each MoE block's K routed experts instead of E, and leave
+out the input embedding (a row lookup, no matmul): DeepSeek-V3 has 671.0B parameters and 36.6B active
+("671B, 37B activated" in its report), DeepSeek-V2-Lite 15.7B and 2.45B ("15.7B, 2.4B"). Both presets'
+figures are checked by hand in `tests/plan/test_moe.py`, and the formula against transformers' own
+`DeepseekV3ForCausalLM` parameter count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MOE_PRESETS", "MoEModelConfig"]
+
+
+@dataclass(frozen=True)
+class MoEModelConfig:
+    """The shape of a DeepSeek-V2 / V3 decoder (see the module docstring), with transformers' field names."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    first_k_dense_replace: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be between 0 and"
+                             f" num_hidden_layers={self.num_hidden_layers}.")
+        if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and"
+                             f" n_routed_experts={self.n_routed_experts}.")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> MoEModelConfig:
+        """Read a transformers DeepSeek config (`config.json` or `config.to_dict()`); other keys are ignored."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in values.items() if key in known})
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+    def attention_parameters(self) -> int:
+        h, a, r_kv = self.hidden_size, self.num_attention_heads, self.kv_lora_rank
+        query_width = a * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        query = h * query_width if self.q_lora_rank is None else (h + 1 + query_width) * self.q_lora_rank
+        key_value = h * (r_kv + self.qk_rope_head_dim) + r_kv + r_kv * a * (self.qk_nope_head_dim + self.v_head_dim)
+        return query + key_value + a * self.v_head_dim * h
+
+    def expert_parameters(self) -> int:
+        """One routed (or shared) expert: gate, up and down."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def _parameters(self, routed_experts: int, input_embedding: bool) -> int:
+        h = self.hidden_size
+        block = self.attention_parameters() + 2 * h
+        dense = block + 3 * h * self.intermediate_size
+        moe = block + (routed_experts + self.n_shared_experts) * self.expert_parameters() + self.n_routed_experts * h
+        embedding = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else embedding
+        return (embedding * input_embedding + self.first_k_dense_replace * dense + self.moe_layers * moe + h
+                + head)
+
+    def num_parameters(self) -> int:
+        """Every parameter (see the module docstring)."""
+        return self._parameters(self.n_routed_experts, input_embedding=True)
+
+    def active_parameters(self) -> int:
+        """The parameters one token's forward multiplies with: K routed experts per MoE block, no input
+        embedding (a lookup)."""
+        return self._parameters(self.num_experts_per_tok, input_embedding=False)
+
+    def routed_expert_parameters(self) -> int:
+        """The routed experts of every MoE block: what expert parallelism splits over its ranks."""
+        return self.moe_layers * self.n_routed_experts * self.expert_parameters()
+
+
+MOE_PRESETS: dict[str, MoEModelConfig] = {
+    # deepseek-ai/DeepSeek-V3's config.json (the multi-token-prediction module left out)
+    "deepseek-v3": MoEModelConfig(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    # deepseek-ai/DeepSeek-V2-Lite's config.json (no query latent)
+    "deepseek-v2-lite": MoEModelConfig(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+}

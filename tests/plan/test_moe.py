@@ -1,0 +1,59 @@
+"""Parameters of DeepSeek's mixture-of-experts decoders (`plan.moe`): the formula against transformers'
+own `DeepseekV3ForCausalLM` (exact counts, three tiny shapes), and the presets against sums made by hand
+from the published config.json files and against the published totals.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_tp3d.plan.moe import MOE_PRESETS, MoEModelConfig
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=16,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("changes", [{}, dict(q_lora_rank=None, first_k_dense_replace=0, n_shared_experts=2),
+                                     dict(tie_word_embeddings=True, first_k_dense_replace=4)])
+def test_the_formula_counts_transformers_parameters(changes):
+    config = transformers.DeepseekV3Config(**(TINY | changes))
+    model = transformers.DeepseekV3ForCausalLM(config)
+    shape = MoEModelConfig.from_dict(config.to_dict())
+    assert shape.num_parameters() == sum(parameter.numel() for parameter in model.parameters())
+    experts = sum(parameter.numel() for name, parameter in model.named_parameters() if ".mlp.experts." in name)
+    assert shape.routed_expert_parameters() == experts
+
+
+def test_deepseek_v3_has_671b_parameters_and_37b_active():
+    """By hand, per block: attention 7168 x 1536 + 1536 + 1536 x 128 x 192 + 7168 x 576 + 512 + 512 x 128 x 256
+    + 128 x 128 x 7168 = 187,107,328, norms 14,336; dense MLP 3 x 7168 x 18432 = 396,361,728; one expert
+    3 x 7168 x 2048 = 44,040,192, the MoE MLP 257 experts + the router 256 x 7168 = 11,320,164,352. Total
+    3 x 583,483,392 + 58 x 11,507,286,016 + 2 x 129280 x 7168 + 7168 = 671,026,404,352; active: 8 routed
+    experts instead of 256 and no input embedding, 36,625,603,584."""
+    v3 = MOE_PRESETS["deepseek-v3"]
+    assert v3.num_parameters() == 671_026_404_352
+    assert v3.active_parameters() == 36_625_603_584
+    assert round(v3.num_parameters() / 1e9) == 671 and round(v3.active_parameters() / 1e9) == 37  # the report's
+    assert v3.routed_expert_parameters() == 58 * 256 * 44_040_192
+
+
+def test_deepseek_v2_lite_has_15_7b_parameters_and_2_4b_active():
+    """By hand: attention 2048 x 3072 (q_proj) + 2048 x 576 + 512 + 512 x 16 x 256 + 2048 x 2048 = 13,763,072,
+    norms 4,096; dense MLP 3 x 2048 x 10944 = 67,239,936; one expert 3 x 2048 x 1408 = 8,650,752, the MoE MLP
+    66 experts + the router 64 x 2048 = 571,080,704. Total 81,007,104 + 26 x 584,847,872 + 2 x 102400 x 2048
+    + 2048 = 15,706,484,224; active (6 routed experts, no input embedding) 2,451,435,008."""
+    lite = MOE_PRESETS["deepseek-v2-lite"]
+    assert lite.num_parameters() == 15_706_484_224
+    assert lite.active_parameters() == 2_451_435_008
+    assert round(lite.num_parameters() / 1e8) == 157 and int(lite.active_parameters() / 1e8) == 24  # '2.4B'
+
+
+def test_shapes_out_of_range_are_refused():
+    with pytest.raises(ValueError, match="first_k_dense_replace=5 must be between 0 and num_hidden_layers=4"):
+        MoEModelConfig.from_dict(TINY | dict(first_k_dense_replace=5))
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 must be between 1 and n_routed_experts=4"):
+        MoEModelConfig.from_dict(TINY | dict(num_experts_per_tok=5))
