@@ -31,10 +31,11 @@ _MAX_DIMS = 8  # dims of a tensor sent between stages in forward-only runs
 class StageTiming:
     """Time of the last training step on this rank and the time its stages spent computing.
 
-    busy = time inside this rank's stages' forward, backward and weight-gradient chunks (communication
-    excluded), idle = step - busy. Theory for GPipe / 1F1B with p stages and m micro-batches: idle
-    fraction (p - 1) / (m + p - 1). Measured on the device's clock (`DeviceInterval`: CUDA events on a
-    GPU), resolved when read, so an unread timing costs the step no synchronisation.
+    busy = time inside this rank's stages' forward, backward and weight-gradient chunks and the last
+    stage's loss (communication between stages excluded), idle = step - busy. Theory for GPipe / 1F1B
+    with p stages and m micro-batches: idle fraction (p - 1) / (m + p - 1). Measured on the device's clock
+    (`DeviceInterval`: CUDA events on a GPU), resolved when read, so an unread timing costs the step no
+    synchronisation.
     """
 
     def __init__(self, device_type: str = "cpu") -> None:
@@ -72,17 +73,21 @@ class StageTiming:
 def _time_compute(stage: PipelineStage, timing: StageTiming) -> None:
     """Time the stage's forward / backward / weight-gradient chunks into `timing`."""
     for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-        compute = getattr(stage, name)
+        setattr(stage, name, _timed(getattr(stage, name), timing))
 
-        def timed(*args: object, _compute=compute, **kwargs: object) -> object:
-            interval = timing.chunk()
-            try:
-                with label(PIPELINE_COMPUTE):
-                    return _compute(*args, **kwargs)
-            finally:
-                interval.stop()
 
-        setattr(stage, name, timed)
+def _timed(compute: Callable[..., object], timing: StageTiming) -> Callable[..., object]:
+    """`compute` as a chunk of `timing`, labelled as the pipeline's compute on the profiler's timeline."""
+
+    def timed(*args: object, **kwargs: object) -> object:
+        interval = timing.chunk()
+        try:
+            with label(PIPELINE_COMPUTE):
+                return compute(*args, **kwargs)
+        finally:
+            interval.stop()
+
+    return timed
 
 
 class PipelineRunner:
@@ -127,7 +132,9 @@ class PipelineRunner:
                 _time_compute(stage, self.timing)
             schedule_class = get_schedule_class(PIPELINE_SCHEDULES[self.plan.schedule])
             target = stages[0] if len(stages) == 1 else stages
-            self._schedules[key] = schedule_class(target, self.num_microbatches, loss_fn=self._scaled_loss)
+            # the last stage's loss (outside its forward chunk in torch's schedules) is its work too
+            self._schedules[key] = schedule_class(target, self.num_microbatches,
+                                                  loss_fn=_timed(self._scaled_loss, self.timing))
         return self._schedules[key]
 
     def _stage_owner(self, stage: int) -> int:
