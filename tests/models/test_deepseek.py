@@ -8,7 +8,7 @@ plain single-process loop on the same samples: the losses of 5 steps and every g
 after step 1, per tensor (rtol 1e-5, atol 1e-7, fp32: tp reorders the heads' and the MLP's partial sums,
 ~1e-7 relative; a gradient summed over the wrong ranks, as the shared rotary key's was before
 `SharedAcrossHeads`, is off by 1e-3 and more). The (2, 2, 1) run also exports its weights, which
-transformers loads with the live model's logits.
+transformers loads with the live model's logits, and saves a checkpoint that resumes exactly at (1, 2, 2).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_tp3d import TP3DStrategy
@@ -78,28 +79,37 @@ def _loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> to
 
 RUNS = {
     "tp2-pp1-dp2-replicate": dict(tp=2, pp=1, mode="replicate"),
-    "tp2-pp2-dp1-1f1b-replicate": dict(tp=2, pp=2, mode="replicate", export=True),
+    "tp2-pp2-dp1-1f1b-replicate": dict(tp=2, pp=2, mode="replicate", export=True, save=True),
     "tp1-pp2-dp2-1f1b-fsdp": dict(tp=1, pp=2, mode="fsdp"),
     "tp2-pp1-dp2-zero1": dict(tp=2, pp=1, mode="zero1"),
 }
+# The (2, 2, 1) run saves after STEPS steps; this run resumes it at (1, 2, 2) with FSDP2 for RESUMED_STEPS more.
+RESUMED_STEPS = 3
+RESUME = {"resume": dict(tp=1, pp=2, mode="fsdp", resume=True)}
 
 
-def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool = False) -> dict[str, Any]:
+def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool = False, save: bool = False,
+         resume: bool = False) -> dict[str, Any]:
     dp = world_size() // (tp * pp)
     logger, capture = MemoryLogger(), CaptureGradients()
     consistency = ConsistencyCheck(directory / f"{name}-export") if export else None
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
                             data_parallel_mode=mode)
-    trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger, max_steps=STEPS,
-                                         callbacks=[capture] + ([consistency] if export else [])))
+    callbacks = [capture] + ([consistency] if export else [])
+    if save:  # inside fit, at the last step
+        callbacks.append(ModelCheckpoint(dirpath=directory, filename="deepseek", every_n_train_steps=STEPS))
+    trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger, callbacks=callbacks,
+                                         enable_checkpointing=save,
+                                         max_steps=STEPS + RESUMED_STEPS if resume else STEPS))
     trainer.fit(DeepseekModule(), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
-                                                  val_fraction=0.2))
+                                                  val_fraction=0.2),
+                ckpt_path=str(directory / "deepseek.ckpt") if resume else None)
     report = consistency.report.to_dict() if consistency is not None and consistency.report is not None else None
     return {"losses": logger.values("train_loss"), "first_grads": capture.first_grads, "consistency": report}
 
 
 def run_world(directory: str) -> dict[str, Any]:
-    return {name: _fit(Path(directory), name, **configuration) for name, configuration in RUNS.items()}
+    return {name: _fit(Path(directory), name, **configuration) for name, configuration in (RUNS | RESUME).items()}
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +145,18 @@ def test_the_export_loads_in_transformers_with_the_live_logits(world_results, di
     exported = transformers.AutoModelForCausalLM.from_pretrained(export)
     assert {key: tuple(value.shape) for key, value in exported.named_parameters()} == {
         key: tuple(value.shape) for key, value in deepseek_network().named_parameters()}
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_resumes_exactly_at_another_layout(world_results):
+    """Saved at (2, 2, 1) after 5 steps, resumed at (1, 2, 2) with FSDP2: the next steps' losses are the
+    uninterrupted single-process run's (experts, router, MLA and optimizer state resharded by DCP, the data
+    position kept)."""
+    reference = reference_run(STEPS + RESUMED_STEPS, GLOBAL_BATCH, build_network=deepseek_network, loss_of=_loss)
+    for rank, rank_result in enumerate(world_results["resume"]):
+        assert len(rank_result["losses"]) == RESUMED_STEPS
+        torch.testing.assert_close(torch.tensor(rank_result["losses"]), torch.tensor(reference["losses"][STEPS:]),
+                                   rtol=RTOL, atol=0.0, msg=lambda message, rank=rank: f"rank {rank}: {message}")
 
 
 def test_the_adapter_reads_the_plan_from_the_config():
