@@ -1,9 +1,9 @@
 """The model families the strategy recognises, and the choice of a network's `ModelAdapter`, made once.
 
 `resolve_model_adapter(network, given)` returns `given` (the strategy's `model_adapter` option: an
-adapter, its class, or its import path `"package.module:name"`) or else the first family of
-`MODEL_FAMILIES` whose `matches(network)` holds (built by `for_network(network)`); the base
-`ModelAdapter` (Llama names) takes the rest.
+adapter, or its class or import path `"package.module:name"`) or else the first family of
+`MODEL_FAMILIES` whose `matches(network)` holds, a family's adapter built by `for_network(network)`;
+the base `ModelAdapter` (Llama names) takes the rest.
 A family added to the package goes into `MODEL_FAMILIES` before the families it specialises.
 
 A wrapper (`WRAPPER_FAMILIES`: PEFT's `PeftModel`) holds another model: its adapter is built `around`
@@ -29,12 +29,12 @@ WRAPPER_FAMILIES = (PeftLoraAdapter,)
 ModelAdapterOption = ModelAdapter | type[ModelAdapter] | str | None
 
 
-def check_model_adapter(given: ModelAdapterOption) -> ModelAdapter | None:
+def check_model_adapter(given: ModelAdapterOption, network: nn.Module | None = None) -> ModelAdapter | None:
     """The `model_adapter` option as an instance (an import path imported, a class instantiated), or None."""
     if isinstance(given, str):
         given = import_object(given, "model_adapter")
-    if isinstance(given, type) and issubclass(given, ModelAdapter):
-        given = given()
+    if isinstance(given, type) and issubclass(given, ModelAdapter):  # a family: built for `network` when known
+        given = given.for_network(network) if network is not None else given()
     if given is not None and not isinstance(given, ModelAdapter):
         raise TypeError(
             f"model_adapter must be a lightning_tp3d.models.adapter.ModelAdapter (an instance, its class or"
@@ -45,7 +45,7 @@ def check_model_adapter(given: ModelAdapterOption) -> ModelAdapter | None:
 
 def resolve_model_adapter(network: nn.Module, given: ModelAdapterOption = None) -> ModelAdapter:
     """`given`, or the adapter of the first family in `MODEL_FAMILIES` that `network` belongs to."""
-    adapter = check_model_adapter(given)
+    adapter = check_model_adapter(given, network)
     if adapter is not None:
         return adapter
     for wrapper in WRAPPER_FAMILIES:

@@ -182,3 +182,12 @@ def test_features_not_yet_tested_with_mla_and_moe_are_refused(features, named):
     with pytest.raises(ValueError, match=f"{named}.*DeepSeek-V3.*not supported yet; train it with recompute='none'"):
         DeepseekV3Adapter.for_network(deepseek_network()).check_features(**features)
     DeepseekV3Adapter().check_features()  # the defaults pass
+
+
+def test_the_adapter_named_as_the_option_is_built_for_the_network():
+    """`model_adapter=DeepseekV3Adapter` (the class, or its import path) reads the network's config as the
+    automatic choice does, not DeepSeek-V3's 61-block defaults."""
+    network = deepseek_network()
+    for given in (DeepseekV3Adapter, "lightning_tp3d.models.deepseek:DeepseekV3Adapter"):
+        assert resolve_model_adapter(network, given) == resolve_model_adapter(network)
+    assert resolve_model_adapter(network).num_layers == SHAPE["num_hidden_layers"]
