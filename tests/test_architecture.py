@@ -283,6 +283,8 @@ RUNTIME_PATCHES = {
     ("_compat/lightning.py", "callback._summary"): "see the `_compat.lightning` docstring: ModelSummary",
     ("_compat/lightning.py", "_saving.pl_load"): "see the `_compat.lightning` docstring: load_from_checkpoint",
     ("_compat/lightning.py", "BaseFinetuning.filter_on_optimizer"): "see the `_compat.lightning` docstring",
+    ("_compat/lightning.py", "_CheckpointConnector._parse_ckpt_path"): "see the `_compat.lightning` docstring:"
+        ' ckpt_path="last" on remote storage',
 }
 
 

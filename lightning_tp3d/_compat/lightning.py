@@ -1,4 +1,4 @@
-"""Lightning's private names used by the package (read from Lightning 2.6.6), and the three places where
+"""Lightning's private names used by the package (read from Lightning 2.6.6), and the four places where
 Lightning has no hook, so the package replaces one of its functions (each with its reason).
 
 * `ModelSummary` (and `RichModelSummary`) compute their table in the private `_summary(trainer,
@@ -39,6 +39,7 @@ __all__ = [
     "log_metrics",
     "materialize_distributed_module",
     "read_checkpoint_folders_with",
+    "resolve_last_checkpoint_with",
     "set_device_mesh",
     "setup_process_groups",
     "should_accumulate",
@@ -136,6 +137,23 @@ def read_checkpoint_folders_with(is_folder: Callable[[str | Path], bool],
 
     pl_load.__wrapped__ = original
     _saving.pl_load = pl_load
+
+
+def resolve_last_checkpoint_with(find_last: Callable[[Any], str | None]) -> None:
+    """`ckpt_path="last"` resolves to `find_last(trainer)` where that is not None, else as Lightning does
+    (which warns and starts afresh when it finds nothing)."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    original = _CheckpointConnector.__dict__["_parse_ckpt_path"]
+    original = getattr(original, "__wrapped__", original)
+
+    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool
+                         ) -> Any:
+        found = find_last(self.trainer) if ckpt_path == "last" else None
+        return found if found is not None else original(self, state_fn, ckpt_path, model_provided, model_connected)
+
+    _parse_ckpt_path.__wrapped__ = original
+    _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path
 
 
 def compare_finetuning_parameters_with(equal: Callable[[Any, Any], bool]) -> Callable[[], None]:

@@ -18,7 +18,8 @@ Refused (`check_lightning_features`):
 Adapted (`adapt_callbacks`): under pipelining the model summary callbacks count every stage
 (`strategies.summary`); `BaseFinetuning`'s test of "already in the optimizer" (`torch.equal`, which
 refuses a plain tensor against a DTensor) gets `same_values`, which compares whole values as one process
-would.
+would. `ckpt_path="last"` with a `ModelCheckpoint(dirpath=...)` on remote storage, which Lightning's
+listing misses, finds the newest complete `last` checkpoint there (`last_remote_checkpoint`).
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import BaseFinetuning, ModelSummary, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint, ModelSummary, StochasticWeightAveraging
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_tp3d._compat.lightning import compare_finetuning_parameters_with, use_model_summary
 from lightning_tp3d._compat.torch import TORCH_VERSION, is_compiled
+from lightning_tp3d.io.last_checkpoint import newest_last_checkpoint
+from lightning_tp3d.io.storage import is_remote, location
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.strategies.summary import WholeModelSummary
 
 __all__ = ["UnsupportedFeatureError", "adapt_callbacks", "check_lightning_features", "check_network_is_not_compiled",
-           "same_values"]
+           "last_remote_checkpoint", "same_values"]
 
 
 class UnsupportedFeatureError(ValueError):
@@ -108,3 +111,15 @@ def adapt_callbacks(callbacks: Iterable[Any], pp_group: dist.ProcessGroup | None
     if any(isinstance(callback, BaseFinetuning) for callback in callbacks):
         return [compare_finetuning_parameters_with(same_values)]
     return []
+
+
+def last_remote_checkpoint(trainer: Any) -> str | None:
+    """What `ckpt_path="last"` means when a `ModelCheckpoint` writes to remote storage: the newest complete
+    `last` checkpoint over the callbacks' folders (`io.last_checkpoint`), or None to let Lightning resolve
+    it (no folder is remote). Callbacks without a `dirpath` (the logger's folder, local) are Lightning's."""
+    callbacks = [callback for callback in trainer.checkpoint_callbacks
+                 if isinstance(callback, ModelCheckpoint) and callback.dirpath]
+    if not any(is_remote(location(callback.dirpath)) for callback in callbacks):
+        return None
+    return newest_last_checkpoint((str(callback.dirpath), callback.CHECKPOINT_NAME_LAST, callback.FILE_EXTENSION)
+                                  for callback in callbacks)

@@ -3,10 +3,12 @@ for the store, reached through fsspec (s3fs) as a cluster reaches S3.
 
 * A fit at (tp, pp, dp) = (2, 2, 1) saves asynchronously to `s3://...` through Lightning's
   `ModelCheckpoint` (every 2 steps, keep the last 2 by step, and `last.ckpt`); a new Trainer resumes from
-  the step-4 URL and trains the same losses (bitwise) and weights as the run that went on.
+  the step-4 URL and trains the same losses (bitwise) and weights as the run that went on, and one given
+  `ckpt_path="last"` finds the step-6 `last.ckpt` there by itself.
 * A save killed (SIGKILL) while uploading its shards leaves the previous checkpoint of that name whole; one
   killed while committing a replacement (the store has no rename: a copy, `meta.json` last) is read from
   the complete staged folder, and the next save finishes the replacement.
+* `ckpt_path="last"` finds the newest complete `last` checkpoint in a remote folder.
 * Reading from the URL: `tp3d verify`, `tp3d export` (the same files as exporting a downloaded copy),
   `load_from_checkpoint`, and a flipped byte in a remote shard refused naming the shard.
 """
@@ -18,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_tp3d.cli import main as tp3d
 from lightning_tp3d.io.checkpoint import save_checkpoint
 from lightning_tp3d.io.checkpoint_format import CheckpointError, CheckpointMeta, load_model_tensors, read_meta
+from lightning_tp3d.io.last_checkpoint import newest_last_checkpoint
 from lightning_tp3d.io.storage import is_remote, location
 from lightning_tp3d.models import CausalLMModule
 from tests.distributed import run_distributed
@@ -74,8 +78,15 @@ def run_remote_fit_world(directory: str) -> dict[str, Any]:
     kept = sorted(keep.best_k_models)
     step4 = next(path for path in kept if path.endswith("step=4.ckpt"))
     resumed = _fit(2, 2, Path(directory), steps=STEPS, ckpt_path=step4)
+    from_last = _fit(2, 2, Path(directory), steps=STEPS, ckpt_path="last",
+                     callbacks=[ModelCheckpoint(dirpath=RUN, save_last=True)])
     return {"straight": straight["losses"], "resumed": resumed["losses"], "kept": kept,
-            "weights": all(torch.equal(straight["weights"][name], value) for name, value in resumed["weights"].items())}
+            "from_last": from_last["losses"], "weights": _same(straight["weights"], resumed["weights"]),
+            "weights_from_last": _same(straight["weights"], from_last["weights"])}
+
+
+def _same(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> bool:
+    return first.keys() == second.keys() and all(torch.equal(first[name], value) for name, value in second.items())
 
 
 def _weights(value: float) -> dict[str, dict[str, torch.Tensor]]:
@@ -149,6 +160,7 @@ def test_fit_saves_to_s3_and_resumes_exactly(remote_fit, s3_store):
         assert len(rank["straight"]) == STEPS
         assert rank["resumed"] == rank["straight"][4:]  # bitwise: same layout, random states restored
         assert rank["weights"]
+        assert rank["from_last"] == [] and rank["weights_from_last"]  # "last" found step 6, the run's end
     kept = remote_fit[0]["kept"]
     assert [path.rsplit("step=", 1)[1] for path in kept] == ["4.ckpt", "6.ckpt"]
     listed = sorted(name.rsplit("/", 1)[1] for name in s3_store.ls(f"{BUCKET}/run", refresh=True))
@@ -181,9 +193,23 @@ def test_a_save_killed_while_committing_is_read_from_the_staged_folder(s3_store)
         assert read_meta(url).global_step == 2
     with pytest.warns(UserWarning, match=r"reading the complete folder last.ckpt.partial"):
         assert _equal(load_model_tensors(url), _weights(2.0))
+    with pytest.warns(UserWarning, match=r"reading the complete folder last.ckpt.partial"):  # ckpt_path="last"
+        assert newest_last_checkpoint([(f"s3://{BUCKET}/killed-commit", "last", ".ckpt")]) == url
     save_checkpoint(url, _weights(3.0), {}, _meta(3))
     assert read_meta(url).global_step == 3 and _equal(load_model_tensors(url), _weights(3.0))
     assert not s3_store.exists(f"{folder}.partial")
+
+
+def test_the_newest_complete_last_checkpoint_is_found(s3_store):
+    """`ckpt_path="last"`: `last.ckpt` and `last-v1.ckpt` dated by their meta.json (S3 dates to the second),
+    an unfinished save (no meta.json) and other names passed over, the protocol kept."""
+    folder = f"s3://{BUCKET}/search"
+    for name, step in (("last-v1.ckpt", 1), ("last.ckpt", 2), ("epoch=0-step=3.ckpt", 3), ("last-v2.ckpt", 4)):
+        save_checkpoint(f"{folder}/{name}", _weights(float(step)), {}, _meta(step))
+        time.sleep(1.1)
+    s3_store.rm(f"{BUCKET}/search/last-v2.ckpt/meta.json")
+    assert newest_last_checkpoint([(folder, "last", ".ckpt")]) == f"{folder}/last.ckpt"
+    assert newest_last_checkpoint([(folder, "final", ".ckpt"), (f"s3://{BUCKET}/none", "last", ".ckpt")]) is None
 
 
 def test_commands_and_lightning_read_from_the_url(remote_fit, s3_store, tmp_path, capsys):
