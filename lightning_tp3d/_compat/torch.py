@@ -25,7 +25,9 @@ changed between the versions the package supports (`torch>=2.6`).
   created with, which answers while collectives hang (the stalled-rank monitor's heartbeats).
 * `functional_collectives` (`torch.distributed._functional_collectives`): the module DTensor's collectives
   go through (looked up on it at each call), and `group_name_of` (its `_resolve_group_name`): which
-  process group a functional collective's `group` argument means. The step profiler labels them.
+  process group a functional collective's `group` argument means. The step profiler labels them; expert
+  parallelism's token exchange is its `all_to_all_single_autograd` (`torch.distributed.nn.functional`'s
+  autograd all-to-all is deprecated in favour of it).
 * `pipeline_orders` (a multi-stage schedule's `pipeline_order` and its `_Action`s, built from stand-in
   stages): the order in which each rank runs its stages' actions, for the planner's timeline.
 """

@@ -31,7 +31,7 @@ Example usage (a torchtitan-style network)::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +101,11 @@ class ModelAdapter:
     def check_features(self, *, recompute: str = "none", compiled: bool = False, float8: str | None = None,
                        peft: bool = False) -> None:
         """Refuse, with the reason, a training feature this family is not tested with (this one takes all)."""
+
+    def routed_experts(self, blocks: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
+        """The (parent, attribute) of each mixture-of-experts block's routed experts among `blocks`, which
+        expert parallelism splits (`parallel.experts`); none in this family."""
+        return []
 
     @property
     def name(self) -> str:

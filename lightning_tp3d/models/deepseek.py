@@ -22,7 +22,8 @@ r_kv the query and key-value latent ranks, d_n / d_r / d_v a head's non-rotary, 
 * A MoE block's router (`mlp.gate`, with DeepSeek-V3's per-expert score-correction bias) and its routed
   experts (the fused `mlp.experts.gate_up_proj` [E, 2 I, h] and `down_proj` [E, h, I]) stay replicated:
   every tp rank routes the same tokens the same way and computes every expert, so the result is one
-  process's. Splitting the experts over ranks is expert parallelism (not built yet).
+  process's. With `expert_parallel_size` E > 1 the routed experts are split over E dp ranks instead
+  (`routed_experts`, `parallel.experts`).
 * The embedding is vocab parallel, the head column parallel over the vocabulary (the vocab-parallel
   loss), the norms replicated.
 
@@ -33,6 +34,7 @@ dense, rotary dim 64).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +103,10 @@ class DeepseekV3Adapter(HuggingFaceCausalLMAdapter):
             raise ValueError(
                 f"{', '.join(refused)} with DeepSeek-V3 (multi-head latent attention and mixture-of-experts blocks) is"
                 " not supported yet; train it with recompute='none', compile=None, float8=None and without PEFT.")
+
+    def routed_experts(self, blocks: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
+        """Each MoE block's `mlp.experts` (the dense blocks have none)."""
+        return [(block.mlp, "experts") for block in blocks if hasattr(getattr(block, "mlp", None), "experts")]
 
     @property
     def name(self) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from lightning_tp3d.plan.schedules import fsdp_reshards_after_forward
 
 __all__ = ["DATA_PARALLEL_MODES", "DataParallelPlan", "GradientReduction", "check_data_parallel_mode",
-           "choose_data_parallel"]
+           "check_expert_parallel", "choose_data_parallel"]
 
 DATA_PARALLEL_MODES: tuple[str, ...] = ("replicate", "fsdp", "zero1")
 
@@ -89,3 +89,14 @@ def choose_data_parallel(mode: str, data_parallel_size: int, pipeline_parallel_s
     else:
         reduction = GradientReduction.ALL_REDUCE
     return DataParallelPlan(mode, data_parallel_size, reduction)
+
+
+def check_expert_parallel(expert_parallel_size: int, data_parallel_mode: str) -> None:
+    """Refuse what expert parallelism does not do yet: sharding over dp (FSDP2, ZeRO-1) besides the experts."""
+    if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
+        raise ValueError(f"expert_parallel_size must be a positive integer, got {expert_parallel_size!r}.")
+    if expert_parallel_size > 1 and data_parallel_mode != "replicate":
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} with data_parallel_mode={data_parallel_mode!r} is not"
+            " supported yet: the experts' gradients are averaged over their own replicas, which the sharded modes"
+            " do not do; use data_parallel_mode='replicate', or expert_parallel_size=1.")

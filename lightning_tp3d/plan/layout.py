@@ -66,11 +66,17 @@ class ParallelLayout:
     num_microbatches: int = 1
     gradient_accumulation_steps: int = 1
     layers_per_stage: tuple[int, ...] | None = None
+    expert_parallel_size: int = 1  # carved out of dp: routed experts split over E of the dp ranks
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "micro_batch_size", "num_microbatches", "gradient_accumulation_steps"):
+                     "micro_batch_size", "num_microbatches", "gradient_accumulation_steps", "expert_parallel_size"):
             _check_positive_int(name, getattr(self, name))
+        if self.data_parallel_size % self.expert_parallel_size:
+            raise LayoutError(
+                f"expert_parallel_size={self.expert_parallel_size} does not divide data_parallel_size="
+                f"{self.data_parallel_size}: the expert-parallel group is carved out of the data-parallel ranks;"
+                f" use an expert_parallel_size that divides {self.data_parallel_size}, or launch more processes.")
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
             if len(self.layers_per_stage) % self.pipeline_parallel_size:
@@ -94,6 +100,7 @@ class ParallelLayout:
         global_batch_size: int | None = None,
         gradient_accumulation_steps: int | None = None,
         layers_per_stage: tuple[int, ...] | list[int] | None = None,
+        expert_parallel_size: int = 1,
     ) -> ParallelLayout:
         """Build a layout for `world_size` processes, deriving what was left open.
 
@@ -143,6 +150,7 @@ class ParallelLayout:
             num_microbatches=num_microbatches,
             gradient_accumulation_steps=gradient_accumulation_steps or 1,
             layers_per_stage=tuple(layers_per_stage) if layers_per_stage is not None else None,
+            expert_parallel_size=expert_parallel_size,
         )
         layout.validate_world_size(world_size)
         return layout

@@ -32,7 +32,7 @@ from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.parallel.data_parallel import DataParallel, build_data_parallel
 from lightning_tp3d.parallel.grad_norm import clip_grad_norm_
 from lightning_tp3d.parallel.labels import DP_PHASE, label
-from lightning_tp3d.parallel.mesh import build_device_mesh, mesh_device
+from lightning_tp3d.parallel.mesh import build_device_mesh, build_expert_mesh, mesh_device
 from lightning_tp3d.parallel.nf4 import quantized_parameters
 from lightning_tp3d.parallel.pipeline import GradientHandOver, PipelineRunner
 from lightning_tp3d.plan.data_parallel import DataParallelPlan, choose_data_parallel
@@ -66,6 +66,7 @@ class ParallelCore:
         self.last_clip_norm: torch.Tensor | None = None
         self._layout: ParallelLayout | None = None
         self._mesh: DeviceMesh | None = None
+        self._expert_mesh: DeviceMesh | None = None  # ("edp", "ep"), with expert parallelism only
         self._groups: dict[str, torch.distributed.ProcessGroup] = {}
         self._parallelized: nn.Module | None = None
         self._model_adapter: ModelAdapter | None = None  # the parallel network's, read before it was split
@@ -101,12 +102,10 @@ class ParallelCore:
             self._layout.validate_model(config)
 
     def resolve_layout(self, world_size: int) -> ParallelLayout:
-        tp, pp, dp = self.options.sizes
-        self._layout = ParallelLayout.resolve(world_size=world_size, tensor_parallel_size=tp,
-                                              pipeline_parallel_size=pp, data_parallel_size=dp,
-                                              num_microbatches=self.options.num_microbatches,
-                                              layers_per_stage=self.options.layers_per_stage)
-        options = self.options
+        (tp, pp, dp), options = self.options.sizes, self.options
+        self._layout = ParallelLayout.resolve(
+            world_size, tp, pp, dp, num_microbatches=options.num_microbatches,
+            layers_per_stage=options.layers_per_stage, expert_parallel_size=options.expert_parallel_size)
         self._data_parallel_plan = choose_data_parallel(
             options.data_parallel_mode, self._layout.data_parallel_size, self._layout.pipeline_parallel_size,
             options.overlap_gradient_reduction, options.fsdp_reshard_after_forward, options.pipeline_schedule)
@@ -116,6 +115,7 @@ class ParallelCore:
         """The ("pp", "dp", "tp") mesh with `timeout` on every group; the preflight measurement if asked."""
         self._mesh = build_device_mesh(self.resolve_layout(world_size), device_type, timeout)
         self._groups = {name: self._mesh[name].get_group() for name in self._mesh.mesh_dim_names}  # sliced once
+        self._expert_mesh = build_expert_mesh(self.layout, device_type, timeout)
         self._data_parallel = build_data_parallel(self._data_parallel_plan, self._mesh)
         if self.options.preflight and self.preflight_report is None:
             self.preflight_report = run_doctor(self.layout, self._mesh, sizes=(2**20,), iterations=3)
@@ -141,7 +141,7 @@ class ParallelCore:
         self._model_adapter = self.options.model_adapter_for(network)
         self.pipeline, self._handover = parallelize_network(network, config, self.layout, self.mesh, self.options,
                                                             self._model_adapter, self.data_parallel, loss_scale,
-                                                            device)
+                                                            device, self._expert_mesh)
         self._parallelized = network
         return True
 

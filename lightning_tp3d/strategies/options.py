@@ -37,7 +37,7 @@ from lightning_tp3d.parallel.compile import check_compile_schedule, compile_sett
 from lightning_tp3d.parallel.float8 import check_float8
 from lightning_tp3d.parallel.pipeline import PipelineStages
 from lightning_tp3d.parallel.tensor import resolve_tp_plan
-from lightning_tp3d.plan.data_parallel import choose_data_parallel
+from lightning_tp3d.plan.data_parallel import check_expert_parallel, choose_data_parallel
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.recompute import DEFAULT_SELECTIVE_TARGET, check_recompute_options
 from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, stages_per_rank_of
@@ -63,6 +63,10 @@ class ParallelOptions:
     tensor_parallel_size: int = _option(1, "processes that split every layer (innermost mesh dimension).")
     pipeline_parallel_size: int = _option(1, "pipeline stages (ranks along \"pp\").")
     data_parallel_size: int | Literal["auto"] = _option("auto", "model replicas; \"auto\" is world size / (tp x pp).")
+    expert_parallel_size: int = _option(
+        1, "ranks a mixture-of-experts block's routed experts are split over, carved out of dp (it divides dp"
+        " and the expert count): tokens reach their experts by all-to-all (`parallel.experts`); \"replicate\""
+        " mode only, for now.")
     data_parallel_mode: Literal["replicate", "fsdp", "zero1"] = _option(
         "replicate", "\"replicate\" (gradients all-reduced over dp, DDP semantics), \"fsdp\" (FSDP2: parameters,"
         " gradients and optimizer state sharded over dp) or \"zero1\" (the optimizer state and update split over"
@@ -176,6 +180,7 @@ class ParallelOptions:
                 " which training stops); turn the check off with skip_non_finite_steps=False."
             )
         check_recompute_options(self.recompute, self.recompute_method, self.recompute_num_layers)
+        check_expert_parallel(self.expert_parallel_size, self.data_parallel_mode)
         check_float8(self.float8, self.tensor_parallel_size)
         if self.pretrained is not None and not (self.pretrained / "config.json").is_file():
             raise FileNotFoundError(

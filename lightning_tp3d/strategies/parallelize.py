@@ -4,6 +4,7 @@
        float8              the blocks' linear layers as torchao's Float8Linear (`parallel.float8`), whose
                            weights the next steps shard like any linear layer's
     2. tensor parallel     DTensor weights over tp (`parallel.tensor`)
+       expert parallel     the routed experts split over the expert mesh's "ep" (`parallel.experts`)
     3. recompute           activation checkpointing per block (`parallel.recompute`)
     4. compile             each block's forward through `torch.compile` (`parallel.compile`)
     5. data parallel       `DataParallel.wrap`: FSDP2 units around the recomputed blocks (it must wrap
@@ -28,6 +29,7 @@ from lightning_tp3d.models.lora import check_peft_construction
 from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.compile import compile_blocks, warn_of_training_cache
 from lightning_tp3d.parallel.data_parallel import DataParallel
+from lightning_tp3d.parallel.experts import shard_experts
 from lightning_tp3d.parallel.float8 import check_float8_device, convert_blocks_to_float8
 from lightning_tp3d.parallel.materialize import materialize_network
 from lightning_tp3d.parallel.nf4 import check_quantized_base
@@ -51,14 +53,18 @@ ParallelNetwork = tuple[PipelineRunner | None, GradientHandOver | None]
 
 def parallelize_network(network: nn.Module, config: Any | None, layout: ParallelLayout, mesh: DeviceMesh,
                         options: ParallelOptions, adapter: ModelAdapter, data_parallel: DataParallel,
-                        loss_scale: Callable[[], torch.Tensor | float], device: torch.device) -> ParallelNetwork:
+                        loss_scale: Callable[[], torch.Tensor | float], device: torch.device,
+                        expert_mesh: DeviceMesh | None = None) -> ParallelNetwork:
     """Make `network` parallel in place, in the module docstring's order, where its family's `adapter`
     says its parts are (`models.adapter`); `config` (its shape, if known) is checked against the layout.
     `loss_scale()` is what the pipeline schedule multiplies the loss by before its backward (fp16 scale /
-    accumulation). Returns the pipeline runner and the gradient hand-over (None, None without pipelining)."""
+    accumulation); `expert_mesh`: the ("edp", "ep") mesh when `layout.expert_parallel_size` > 1. Returns the
+    pipeline runner and the gradient hand-over (None, None without pipelining)."""
     check_quantized_base(network, layout, sharded_over_dp=data_parallel.plan.parameter_shards > 1)
     check_peft_construction(network, options.pretrained)
     adapter.check_features(recompute=options.recompute, compiled=options.compile is not None, float8=options.float8)
+    if layout.expert_parallel_size > 1:
+        _check_experts(network, adapter, layout)
     tp_plan = adapter.tp_plan()
     if layout.tensor_parallel_size > 1:
         check_plan_matches(network, tp_plan, adapter.name)
@@ -75,6 +81,8 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
         convert_blocks_to_float8(indexed_blocks(layers).values(), options.float8)
     if layout.tensor_parallel_size > 1:
         apply_tensor_parallel(network, mesh["tp"], plan_entries_present(network, tp_plan))
+    if layout.expert_parallel_size > 1:
+        shard_experts(adapter.routed_experts(indexed_blocks(layers).values()), expert_mesh)
     if options.recompute != "none":
         stage_layers = pipeline_plan.layer_ranges if pipeline_plan is not None else [sorted(indexed_blocks(layers))]
         recompute_network_layers(layers, stage_layers, options.recompute, options.recompute_method,
@@ -92,6 +100,15 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
         handover = install_pipelined_forward(network, pipeline, loss_scale, stages)
     materialize_network(network, device)
     return pipeline, handover
+
+
+def _check_experts(network: nn.Module, adapter: ModelAdapter, layout: ParallelLayout) -> None:
+    """Expert parallelism needs routed experts somewhere in the whole network (read before the split)."""
+    if not adapter.routed_experts(indexed_blocks(_layers(network, adapter)).values()):
+        raise LayoutError(
+            f"expert_parallel_size={layout.expert_parallel_size} needs a mixture-of-experts model, but the"
+            f" {adapter.name} network has no routed experts its model adapter knows of; use expert_parallel_size=1."
+        )
 
 
 def _layers(network: nn.Module, adapter: ModelAdapter) -> nn.ModuleDict | nn.ModuleList:

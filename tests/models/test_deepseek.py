@@ -26,9 +26,11 @@ from torch import nn
 from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.callbacks import ConsistencyCheck
 from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.io.checkpoint_format import load_model_tensors
+from lightning_tp3d.io.export import export_checkpoint
 from lightning_tp3d.models.deepseek import DeepseekV3Adapter, deepseek_v3_tp_plan
 from lightning_tp3d.models.families import resolve_model_adapter
-from lightning_tp3d.parallel.tensor import SharedAcrossHeads
+from lightning_tp3d.parallel.tensor import SharedAcrossHeads, local_part
 from tests.distributed import results_by_name
 from tests.helpers import (
     LEARNING_RATE,
@@ -82,34 +84,84 @@ RUNS = {
     "tp2-pp2-dp1-1f1b-replicate": dict(tp=2, pp=2, mode="replicate", export=True, save=True),
     "tp1-pp2-dp2-1f1b-fsdp": dict(tp=1, pp=2, mode="fsdp"),
     "tp2-pp1-dp2-zero1": dict(tp=2, pp=1, mode="zero1"),
+    "tp2-pp1-dp2-ep2-replicate": dict(tp=2, pp=1, mode="replicate", experts=2),
+    "tp1-pp2-dp2-ep2-1f1b-replicate": dict(tp=1, pp=2, mode="replicate", experts=2, save=True),
+    "tp1-pp1-dp4-ep2-replicate": dict(tp=1, pp=1, mode="replicate", experts=2),
 }
-# The (2, 2, 1) run saves after STEPS steps; this run resumes it at (1, 2, 2) with FSDP2 for RESUMED_STEPS more.
+EXPERT_RUNS = [name for name, run in RUNS.items() if run.get("experts", 1) > 1]
+# The (2, 2, 1) run saves after STEPS steps and resumes at (1, 2, 2) with FSDP2 for RESUMED_STEPS more; the
+# (1, 2, 2) run with its experts over 2 ranks resumes at (2, 1, 2) without expert parallelism.
 RESUMED_STEPS = 3
-RESUME = {"resume": dict(tp=1, pp=2, mode="fsdp", resume=True)}
+RESUME = {"resume": dict(tp=1, pp=2, mode="fsdp", resume="tp2-pp2-dp1-1f1b-replicate"),
+          "resume-experts": dict(tp=2, pp=1, mode="replicate", resume="tp1-pp2-dp2-ep2-1f1b-replicate")}
 
 
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool = False, save: bool = False,
-         resume: bool = False) -> dict[str, Any]:
+         resume: str | None = None, experts: int = 1) -> dict[str, Any]:
     dp = world_size() // (tp * pp)
     logger, capture = MemoryLogger(), CaptureGradients()
     consistency = ConsistencyCheck(directory / f"{name}-export") if export else None
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
-                            data_parallel_mode=mode)
+                            data_parallel_mode=mode, expert_parallel_size=experts)
     callbacks = [capture] + ([consistency] if export else [])
     if save:  # inside fit, at the last step
-        callbacks.append(ModelCheckpoint(dirpath=directory, filename="deepseek", every_n_train_steps=STEPS))
+        callbacks.append(ModelCheckpoint(dirpath=directory, filename=name, every_n_train_steps=STEPS))
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger, callbacks=callbacks,
                                          enable_checkpointing=save,
                                          max_steps=STEPS + RESUMED_STEPS if resume else STEPS))
     trainer.fit(DeepseekModule(), TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
                                                   val_fraction=0.2),
-                ckpt_path=str(directory / "deepseek.ckpt") if resume else None)
+                ckpt_path=str(directory / f"{resume}.ckpt") if resume else None)
     report = consistency.report.to_dict() if consistency is not None and consistency.report is not None else None
-    return {"losses": logger.values("train_loss"), "first_grads": capture.first_grads, "consistency": report}
+    held = {key: tuple(local_part(parameter).shape) for key, parameter in trainer.lightning_module.named_parameters()
+            if key.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    return {"losses": logger.values("train_loss"), "first_grads": capture.first_grads, "consistency": report,
+            "experts_held": held}
 
 
 def run_world(directory: str) -> dict[str, Any]:
-    return {name: _fit(Path(directory), name, **configuration) for name, configuration in (RUNS | RESUME).items()}
+    results = {name: _fit(Path(directory), name, **configuration) for name, configuration in (RUNS | RESUME).items()}
+    return results | {"skewed-routing": _skewed_routing()}
+
+
+def _skewed_routing() -> dict[str, Any]:
+    """`ExpertParallelExperts` over a (2, 2) ("edp", "ep") mesh against transformers' experts module when
+    every token of every rank chooses experts 0 and 1, both on ep rank 0: rank 1 of each ep group receives
+    no rows, yet takes part in every all-to-all of the forward and the backward (no hang). Returns the
+    outputs, the input gradients and this rank's experts' gradients beside their references (the experts'
+    reference gradient is summed over the ep group's tokens, as the all-to-all's backward sums them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_tp3d.parallel.experts import ExpertParallelExperts
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    torch.manual_seed(0)
+    reference = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts(
+        transformers.DeepseekV3Config(**SHAPE))
+    for parameter in reference.parameters():
+        nn.init.normal_(parameter, std=0.1)
+    split = ExpertParallelExperts(reference, mesh)
+    group_ranks = [mesh.mesh[mesh.get_local_rank("edp"), ep].item() for ep in range(2)]
+
+    def tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(10 + rank)
+        hidden = torch.randn(6, SHAPE["hidden_size"], generator=generator)
+        return hidden, torch.tensor([[0, 1], [1, 0]] * 3), torch.rand(6, 2, generator=generator)
+
+    hidden, index, weights = tokens(torch.distributed.get_rank())
+    hidden.requires_grad_(True)
+    output = split(hidden, index, weights)
+    output.sum().backward()
+    inputs = [tokens(rank) for rank in group_ranks]
+    whole = torch.cat([item[0] for item in inputs]).requires_grad_(True)
+    expected = reference(whole, torch.cat([item[1] for item in inputs]), torch.cat([item[2] for item in inputs]))
+    expected.sum().backward()
+    mine = slice(6 * group_ranks.index(torch.distributed.get_rank()), None)
+    held = slice(split.first_local, split.first_local + split.num_local)
+    return {"output": (output.detach(), expected[mine][:6].detach()),
+            "input_grad": (hidden.grad, whole.grad[mine][:6]),
+            "gate_up_grad": (split.gate_up_proj.grad.to_local(), reference.gate_up_proj.grad[held]),
+            "down_grad": (split.down_proj.grad.to_local(), reference.down_proj.grad[held])}
 
 
 @pytest.fixture(scope="module")
@@ -149,14 +201,51 @@ def test_the_export_loads_in_transformers_with_the_live_logits(world_results, di
 
 @pytest.mark.distributed
 def test_a_checkpoint_resumes_exactly_at_another_layout(world_results):
-    """Saved at (2, 2, 1) after 5 steps, resumed at (1, 2, 2) with FSDP2: the next steps' losses are the
+    """Saved at (2, 2, 1) after 5 steps, resumed at (1, 2, 2) with FSDP2, and saved at (1, 2, 2) with the
+    experts over 2 ranks, resumed at (2, 1, 2) without expert parallelism: the next steps' losses are the
     uninterrupted single-process run's (experts, router, MLA and optimizer state resharded by DCP, the data
     position kept)."""
     reference = reference_run(STEPS + RESUMED_STEPS, GLOBAL_BATCH, build_network=deepseek_network, loss_of=_loss)
-    for rank, rank_result in enumerate(world_results["resume"]):
-        assert len(rank_result["losses"]) == RESUMED_STEPS
-        torch.testing.assert_close(torch.tensor(rank_result["losses"]), torch.tensor(reference["losses"][STEPS:]),
-                                   rtol=RTOL, atol=0.0, msg=lambda message, rank=rank: f"rank {rank}: {message}")
+    for name in RESUME:
+        for rank, rank_result in enumerate(world_results[name]):
+            assert len(rank_result["losses"]) == RESUMED_STEPS
+            torch.testing.assert_close(
+                torch.tensor(rank_result["losses"]), torch.tensor(reference["losses"][STEPS:]), rtol=RTOL, atol=0.0,
+                msg=lambda message, rank=rank, name=name: f"{name} rank {rank}: {message}")
+
+
+@pytest.mark.distributed
+def test_expert_parallel_runs_match_single_process_and_hold_only_their_experts(world_results):
+    """Each rank of an expert-parallel run holds 2 of each MoE block's 4 experts (the parity is in
+    `test_deepseek_v3_matches_single_process_at_every_layout`, gradients gathered whole)."""
+    for name in EXPERT_RUNS:
+        for rank_result in world_results[name]:
+            held = rank_result["experts_held"]
+            assert held and all(shape[0] == SHAPE["n_routed_experts"] // 2 for shape in held.values()), (name, held)
+
+
+@pytest.mark.distributed
+def test_an_expert_parallel_checkpoint_exports_whole_experts(world_results, directory, tmp_path):
+    """The checkpoint of the (1, 2, 2) run with its experts over 2 ranks exports a DeepseekV3ForCausalLM
+    that transformers loads with the model's own names and shapes (each block's 4 experts merged back into
+    the fused [4, ...] tensors), every tensor the checkpoint's own, bitwise. (That the checkpoint holds the
+    trained values is `test_a_checkpoint_resumes_exactly_at_another_layout`.)"""
+    checkpoint, exported = directory / "tp1-pp2-dp2-ep2-1f1b-replicate.ckpt", tmp_path / "export"
+    export_checkpoint(checkpoint, exported)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    assert {name: tuple(value.shape) for name, value in loaded.items()} == {
+        name: tuple(value.shape) for name, value in deepseek_network().state_dict().items()}
+    saved = load_model_tensors(checkpoint)
+    for name, value in loaded.items():
+        assert torch.equal(value, saved[f"model.{name}"]), name
+
+
+@pytest.mark.distributed
+def test_expert_parallel_with_every_token_on_one_rank(world_results):
+    for rank, result in enumerate(world_results["skewed-routing"]):
+        for key, (found, expected) in result.items():
+            torch.testing.assert_close(found, expected, rtol=RTOL, atol=ATOL,
+                                       msg=lambda message, rank=rank, key=key: f"rank {rank} {key}: {message}")
 
 
 def test_the_adapter_reads_the_plan_from_the_config():

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_tp3d._compat.torch import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_tp3d.parallel.data_parallel.protocol import DataParallel
 from lightning_tp3d.parallel.data_parallel.replicate import ReplicateAfterBackward
+from lightning_tp3d.parallel.experts import is_expert_parameter, reduce_expert_gradients
 from lightning_tp3d.parallel.tensor import local_part, shard_gradients_like_parameters
 from lightning_tp3d.plan.communication import BUCKET_BYTES
 from lightning_tp3d.plan.data_parallel import DataParallelPlan
@@ -130,7 +131,8 @@ class ReplicateOverlapped(ReplicateAfterBackward):
         self._parameter_ids: list[int] = []
 
     def before_backward(self, parameters: Iterable[nn.Parameter], completes_gradients: bool) -> None:
-        parameters = [parameter for parameter in parameters if parameter.requires_grad]
+        parameters = [parameter for parameter in parameters
+                      if parameter.requires_grad and not is_expert_parameter(parameter)]
         parameter_ids = [id(parameter) for parameter in parameters]
         if self._reduction is None or self._parameter_ids != parameter_ids:
             if self._reduction is not None:
@@ -144,4 +146,6 @@ class ReplicateOverlapped(ReplicateAfterBackward):
         if self._reduction is None:
             return super().reduce_gradients(parameters)
         self._reduction.finish()
-        return DataParallel.reduce_gradients(self, parameters)
+        parameters = DataParallel.reduce_gradients(self, parameters)
+        reduce_expert_gradients(parameters, self.plan.data_parallel_size)
+        return parameters

@@ -3,8 +3,9 @@
 Every dp rank holds the whole (tp-local) model; after backward the gradients are averaged,
 g = (1 / dp) sum_d g_d, with one all-reduce per dtype bucket over the dp group. Only public collectives
 are used, so it composes with DTensor parameters (their local shards are reduced) and with pipeline
-stages (each stage reduces its own parameters). Without pipelining the overlapped form runs instead
-(`parallel.data_parallel.overlap`), unless `overlap_gradient_reduction=False`.
+stages (each stage reduces its own parameters). Experts split over an expert-parallel group are averaged
+over their own replicas instead (`parallel.experts.reduce_expert_gradients`). Without pipelining the
+overlapped form runs instead (`parallel.data_parallel.overlap`), unless `overlap_gradient_reduction=False`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from lightning_tp3d._compat.torch import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_tp3d.parallel.data_parallel.protocol import DataParallel
+from lightning_tp3d.parallel.experts import is_expert_parameter, reduce_expert_gradients
 from lightning_tp3d.parallel.tensor import local_part
 
 __all__ = ["ReplicateAfterBackward", "all_reduce_gradients"]
@@ -45,5 +47,7 @@ class ReplicateAfterBackward(DataParallel):
 
     def reduce_gradients(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
         parameters = super().reduce_gradients(parameters)
-        all_reduce_gradients(parameters, self.mesh["dp"].get_group(), self.plan.data_parallel_size)
+        all_reduce_gradients([parameter for parameter in parameters if not is_expert_parameter(parameter)],
+                             self.mesh["dp"].get_group(), self.plan.data_parallel_size)
+        reduce_expert_gradients(parameters, self.plan.data_parallel_size)
         return parameters
