@@ -22,6 +22,19 @@ out the input embedding (a row lookup, no matmul): DeepSeek-V3 has 671.0B parame
 ("671B, 37B activated" in its report), DeepSeek-V2-Lite 15.7B and 2.45B ("15.7B, 2.4B"). Both presets'
 figures are checked by hand in `tests/plan/test_moe.py`, and the formula against transformers' own
 `DeepseekV3ForCausalLM` parameter count.
+
+Expert parallelism over E ranks (`parallel.experts`) holds E_r / E of each block's routed experts per rank
+(`routed_expert_parameters_per_rank`), and exchanges per MoE block and micro-batch of T tokens on a rank
+(`expert_exchange`, payloads handed to the all-to-alls, in elements):
+
+    counts    E_r int64                 the per-expert counts, forward only
+    dispatch  T K h                     the rank's token choices, forward; the combine's backward the same
+    returned  R h, sum over the group   what the rank received (R rows, set by the routing: dropless),
+              of R = E T K              sent back by the combine, forward; the dispatch's backward the same
+
+so 2 T K h + 2 R h activation elements per rank, 4 E T K h over the group, plus the counts. Of each
+payload, the share a rank keeps for itself does not cross a link: (E - 1) / E of it does when the
+routing is uniform.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MOE_PRESETS", "MoEModelConfig"]
+__all__ = ["MOE_PRESETS", "ExpertExchange", "MoEModelConfig"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,31 @@ class MoEModelConfig:
     def routed_expert_parameters(self) -> int:
         """The routed experts of every MoE block: what expert parallelism splits over its ranks."""
         return self.moe_layers * self.n_routed_experts * self.expert_parameters()
+
+    def routed_expert_parameters_per_rank(self, expert_parallel_size: int) -> int:
+        """What one rank of an expert-parallel group of `expert_parallel_size` holds of the routed experts."""
+        if self.n_routed_experts % expert_parallel_size:
+            raise ValueError(f"expert_parallel_size={expert_parallel_size} does not divide the"
+                             f" {self.n_routed_experts} routed experts of a block.")
+        return self.routed_expert_parameters() // expert_parallel_size
+
+    def expert_exchange(self, tokens: int, expert_parallel_size: int) -> ExpertExchange:
+        """One MoE block's all-to-all payloads for a micro-batch of `tokens` on each rank (module docstring)."""
+        chosen = tokens * self.num_experts_per_tok * self.hidden_size
+        return ExpertExchange(counts=self.n_routed_experts, dispatch=chosen,
+                              returned_in_group=expert_parallel_size * chosen)
+
+
+@dataclass(frozen=True)
+class ExpertExchange:
+    """One rank's all-to-all payloads, in elements, for one MoE block and micro-batch: `counts` (int64,
+    forward), `dispatch` (forward, and again in the combine's backward), and `returned_in_group`, the ep
+    group's combined-forward payloads together (and again in the dispatch's backward), each rank's share
+    set by the routing."""
+
+    counts: int
+    dispatch: int
+    returned_in_group: int
 
 
 MOE_PRESETS: dict[str, MoEModelConfig] = {

@@ -9,6 +9,12 @@ after step 1, per tensor (rtol 1e-5, atol 1e-7, fp32: tp reorders the heads' and
 ~1e-7 relative; a gradient summed over the wrong ranks, as the shared rotary key's was before
 `SharedAcrossHeads`, is off by 1e-3 and more). The (2, 2, 1) run also exports its weights, which
 transformers loads with the live model's logits, and saves a checkpoint that resumes exactly at (1, 2, 2).
+
+Expert parallelism (`expert_parallel_size=2`, `parallel.experts`) runs the same comparison at (2, 1, 2),
+(1, 2, 2) 1F1B, (1, 1, 4) (two replicas of each expert group) and, in a world of 8, (2, 2, 2) 1F1B; its
+(1, 2, 2) checkpoint resumes exactly without it at (2, 1, 2) and exports whole experts; one step's
+all-to-all payloads equal the ledger's (`plan.moe`) at two layouts; and the experts module alone, with
+every token routed to one rank's experts, equals transformers' (outputs and gradients).
 """
 
 from __future__ import annotations
@@ -20,17 +26,20 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.callbacks import ConsistencyCheck
 from lightning_tp3d.data import TokenDataModule
+from lightning_tp3d.diagnostics.traffic import TrafficRecorder
 from lightning_tp3d.io.checkpoint_format import load_model_tensors
 from lightning_tp3d.io.export import export_checkpoint
 from lightning_tp3d.models.deepseek import DeepseekV3Adapter, deepseek_v3_tp_plan
 from lightning_tp3d.models.families import resolve_model_adapter
+from lightning_tp3d.parallel.experts import is_expert_parameter
 from lightning_tp3d.parallel.tensor import SharedAcrossHeads, local_part
+from lightning_tp3d.plan.moe import MoEModelConfig
 from tests.distributed import results_by_name
 from tests.helpers import (
     LEARNING_RATE,
@@ -75,6 +84,27 @@ class DeepseekModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
 
 
+class RecordExpertTraffic(Callback):
+    """What this rank hands to the collectives of its expert mesh's groups during the second step."""
+
+    def __init__(self) -> None:
+        self.recorder: TrafficRecorder | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+                             ) -> None:
+        if batch_idx == 1:
+            expert = next(parameter for parameter in pl_module.parameters() if is_expert_parameter(parameter))
+            self.recorder = TrafficRecorder(expert.device_mesh).__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch_idx == 1:
+            self.recorder.__exit__(None, None, None)
+
+    def transfers(self) -> dict[tuple[str, str, int, int], int]:
+        return dict(self.recorder.transfers) if self.recorder is not None else {}
+
+
 def _loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids, labels=input_ids).loss
 
@@ -87,6 +117,7 @@ RUNS = {
     "tp2-pp1-dp2-ep2-replicate": dict(tp=2, pp=1, mode="replicate", experts=2),
     "tp1-pp2-dp2-ep2-1f1b-replicate": dict(tp=1, pp=2, mode="replicate", experts=2, save=True),
     "tp1-pp1-dp4-ep2-replicate": dict(tp=1, pp=1, mode="replicate", experts=2),
+    "tp2-pp2-dp2-ep2-1f1b-replicate": dict(tp=2, pp=2, mode="replicate", experts=2, world=8),
 }
 EXPERT_RUNS = [name for name, run in RUNS.items() if run.get("experts", 1) > 1]
 # The (2, 2, 1) run saves after STEPS steps and resumes at (1, 2, 2) with FSDP2 for RESUMED_STEPS more; the
@@ -97,13 +128,14 @@ RESUME = {"resume": dict(tp=1, pp=2, mode="fsdp", resume="tp2-pp2-dp1-1f1b-repli
 
 
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool = False, save: bool = False,
-         resume: str | None = None, experts: int = 1) -> dict[str, Any]:
+         resume: str | None = None, experts: int = 1, world: int = 4) -> dict[str, Any]:
     dp = world_size() // (tp * pp)
     logger, capture = MemoryLogger(), CaptureGradients()
     consistency = ConsistencyCheck(directory / f"{name}-export") if export else None
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
                             data_parallel_mode=mode, expert_parallel_size=experts)
-    callbacks = [capture] + ([consistency] if export else [])
+    traffic = RecordExpertTraffic()
+    callbacks = [capture] + ([traffic] if experts > 1 else []) + ([consistency] if export else [])
     if save:  # inside fit, at the last step
         callbacks.append(ModelCheckpoint(dirpath=directory, filename=name, every_n_train_steps=STEPS))
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger, callbacks=callbacks,
@@ -116,12 +148,14 @@ def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool =
     held = {key: tuple(local_part(parameter).shape) for key, parameter in trainer.lightning_module.named_parameters()
             if key.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     return {"losses": logger.values("train_loss"), "first_grads": capture.first_grads, "consistency": report,
-            "experts_held": held}
+            "experts_held": held, "expert_traffic": traffic.transfers()}
 
 
-def run_world(directory: str) -> dict[str, Any]:
-    results = {name: _fit(Path(directory), name, **configuration) for name, configuration in (RUNS | RESUME).items()}
-    return results | {"skewed-routing": _skewed_routing()}
+def run_world(size: int, directory: str) -> dict[str, Any]:
+    """The runs of this world size (4, or 8 for the (2, 2, 2) one), and the skewed routing check at 4."""
+    results = {name: _fit(Path(directory), name, **configuration) for name, configuration in (RUNS | RESUME).items()
+               if configuration.get("world", 4) == size}
+    return results | ({"skewed-routing": _skewed_routing()} if size == 4 else {})
 
 
 def _skewed_routing() -> dict[str, Any]:
@@ -171,7 +205,7 @@ def directory(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def world_results(directory) -> dict[str, list[dict[str, Any]]]:
-    return results_by_name([4], "tests.models.test_deepseek:run_world", str(directory), with_world=False)
+    return results_by_name([4, 8], "tests.models.test_deepseek:run_world", str(directory))
 
 
 @pytest.mark.distributed
@@ -238,6 +272,32 @@ def test_an_expert_parallel_checkpoint_exports_whole_experts(world_results, dire
     saved = load_model_tensors(checkpoint)
     for name, value in loaded.items():
         assert torch.equal(value, saved[f"model.{name}"]), name
+
+
+@pytest.mark.parametrize("name", ["tp1-pp1-dp4-ep2-replicate", "tp2-pp1-dp2-ep2-replicate"])
+@pytest.mark.distributed
+def test_the_all_to_all_traffic_is_the_ledgers(world_results, name):
+    """One step's all-to-alls over "ep" against `MoEModelConfig.expert_exchange` at two layouts, exactly:
+    per MoE block on every rank one exchange of the 4 expert counts (int64) and two of its T K h choices
+    (the dispatch, the combine's backward); the rest, what the routing sent each rank (twice: the combine,
+    the dispatch's backward), sums to E T K h per block over each ep group."""
+    run = RUNS[name]
+    tp, experts = run["tp"], run["experts"]
+    dp = len(world_results[name]) // tp
+    config = MoEModelConfig.from_dict(SHAPE)
+    exchange = config.expert_exchange(tokens=GLOBAL_BATCH // dp * SEQ_LEN, expert_parallel_size=experts)
+    blocks = config.moe_layers
+    returned: dict[tuple[int, int], int] = {}
+    for rank, result in enumerate(world_results[name]):
+        ep_traffic = {key: calls for key, calls in result["expert_traffic"].items() if key[0] == "ep"}
+        assert ep_traffic.pop(("ep", "all_to_all", exchange.counts, 8), 0) == blocks, (rank, ep_traffic)
+        float_payloads = [(elements, calls) for (_, _, elements, size), calls in ep_traffic.items() if size == 4]
+        assert len(ep_traffic) == len(float_payloads) and float_payloads, (rank, ep_traffic)
+        assert dict(float_payloads).get(exchange.dispatch, 0) >= 2 * blocks, (rank, float_payloads)
+        group = (rank % tp, rank // tp // experts)  # (tp, edp): the ranks of one ep group
+        total = sum(elements * calls for elements, calls in float_payloads)
+        returned[group] = returned.get(group, 0) + total - 2 * blocks * exchange.dispatch
+    assert set(returned.values()) == {2 * blocks * exchange.returned_in_group}, returned
 
 
 @pytest.mark.distributed

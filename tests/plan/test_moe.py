@@ -57,3 +57,15 @@ def test_shapes_out_of_range_are_refused():
         MoEModelConfig.from_dict(TINY | dict(first_k_dense_replace=5))
     with pytest.raises(ValueError, match="num_experts_per_tok=5 must be between 1 and n_routed_experts=4"):
         MoEModelConfig.from_dict(TINY | dict(num_experts_per_tok=5))
+
+
+def test_expert_parallelism_per_rank_and_its_all_to_all_payloads():
+    """DeepSeek-V3 at E = 64 (its training's expert parallelism), by hand: 58 x 256 x 44,040,192 / 64 =
+    10,217,324,544 routed-expert parameters per rank; a micro-batch of 4096 tokens dispatches 4096 x 8 x 7168
+    = 234,881,024 elements per rank and MoE block, and the group gets back 64 times that."""
+    v3 = MOE_PRESETS["deepseek-v3"]
+    assert v3.routed_expert_parameters_per_rank(64) == 10_217_324_544
+    exchange = v3.expert_exchange(tokens=4096, expert_parallel_size=64)
+    assert (exchange.counts, exchange.dispatch, exchange.returned_in_group) == (256, 234_881_024, 15_032_385_536)
+    with pytest.raises(ValueError, match="expert_parallel_size=3 does not divide the 256 routed experts"):
+        v3.routed_expert_parameters_per_rank(3)
