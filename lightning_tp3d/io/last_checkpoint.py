@@ -35,6 +35,6 @@ def newest_last_checkpoint(searches: Iterable[tuple[str, str, str]]) -> str | No
         names = {entry.name.removesuffix(PARTIAL_SUFFIX) for entry in root.iterdir()}
         for name in sorted(filter(pattern.fullmatch, names)):
             found = checkpoint_folder(root / name)
-            if found.is_dir() and is_complete(found):
+            if is_complete(found):
                 dated[str(root / name)] = (found / META_FILE).stat().st_mtime
     return max(dated, key=lambda path: (dated[path], path)) if dated else None

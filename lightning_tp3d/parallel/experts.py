@@ -18,8 +18,9 @@ A block's forward on each ep rank (dropless: every token goes to every expert it
 
 The all-to-alls are autograd functions (the backward is the reversed all-to-all), so an expert's gradient
 on its owner is the sum over the ep group's tokens. Over "edp" the replicas of an expert are averaged with
-the rest of the model: g = (1 / dp) sum over edp of the ep-summed gradient (`reduce_expert_gradients`), which
-is the one-process gradient of the mean loss over the dp ranks' batches.
+the rest of the model: g = (1 / dp) sum over edp of the ep-summed gradient, which is the one-process
+gradient of the mean loss over the dp ranks' batches (`parallel.data_parallel.replicate.reduce_expert_gradients`,
+one bucketed all-reduce over "edp").
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_tp3d._compat.torch import functional_collectives
 
-__all__ = ["ExpertParallelExperts", "is_expert_parameter", "reduce_expert_gradients", "shard_experts"]
+__all__ = ["ExpertParallelExperts", "is_expert_parameter", "shard_experts"]
 
 EXPERT_MESH_DIMS = ("edp", "ep")
 
@@ -56,6 +57,7 @@ class ExpertParallelExperts(nn.Module):
         self.num_local = self.num_experts // self.ep_size
         self.first_local = mesh.get_local_rank("ep") * self.num_local
         self.act_fn = experts.act_fn
+        self.group = mesh.get_group("ep")
         for name in ("gate_up_proj", "down_proj"):
             whole = getattr(experts, name)
             local = whole.detach()[self.first_local:self.first_local + self.num_local].clone()
@@ -65,35 +67,36 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
-        group = self.mesh.get_group("ep")
         top_k = top_k_index.shape[1]
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # pairs grouped by expert, then by token
         tokens = order // top_k
         per_expert = torch.bincount(experts, minlength=self.num_experts)
         received_per_expert = torch.empty_like(per_expert)
-        dist.all_to_all_single(received_per_expert, per_expert, group=group)  # [E x local experts], by source
-        sent = per_expert.view(self.ep_size, self.num_local).sum(1).tolist()
-        received_counts = received_per_expert.view(self.ep_size, self.num_local)
-        received = received_counts.sum(1).tolist()
-        inputs = _exchange(hidden_states[tokens], received, sent, group)
-        outputs = self._local_experts(inputs, received_counts)
-        returned = _exchange(outputs, sent, received, group)
+        dist.all_to_all_single(received_per_expert, per_expert, group=self.group)  # [E x local experts], by source
+        counts = torch.stack([per_expert, received_per_expert]).view(2, self.ep_size, self.num_local)
+        sent_counts, received_counts = counts.tolist()  # the block's one host synchronisation
+        sent, received = [sum(row) for row in sent_counts], [sum(row) for row in received_counts]
+        inputs = _exchange(hidden_states[tokens], received, sent, self.group)
+        outputs = self._local_experts(inputs, counts[1], received_counts)
+        returned = _exchange(outputs, sent, received, self.group)
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
         combined = torch.zeros_like(hidden_states)
         return combined.index_add(0, tokens, (returned * weights).to(hidden_states.dtype))
 
-    def _local_experts(self, inputs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows from each source rank, grouped by local expert within a source: each expert on its rows.
+    def _local_experts(self, inputs: torch.Tensor, counts: torch.Tensor, host_counts: list[list[int]]
+                       ) -> torch.Tensor:
+        """Rows from each source rank, grouped by local expert within a source (`counts` [source, expert],
+        `host_counts` the same on the host): each expert on its rows.
 
         Every expert runs, on zero rows if it got none, so that the backward always passes through both
         all-to-alls on every rank of the group (a rank whose outputs did not depend on its inputs would skip
         the dispatch's backward all-to-all, which the others wait in)."""
         gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
         expert_of_row = torch.arange(self.num_local, device=inputs.device).repeat(self.ep_size)
-        expert_of_row = expert_of_row.repeat_interleave(counts.reshape(-1))
+        expert_of_row = expert_of_row.repeat_interleave(counts.reshape(-1), output_size=inputs.shape[0])
         by_expert = torch.argsort(expert_of_row, stable=True)
-        chunks = inputs[by_expert].split(counts.sum(0).tolist())
+        chunks = inputs[by_expert].split([sum(column) for column in zip(*host_counts)])
         outputs = []
         for expert, rows in enumerate(chunks):
             gate, up = nn.functional.linear(rows, gate_up[expert]).chunk(2, dim=-1)
@@ -117,16 +120,3 @@ def shard_experts(experts: Iterable[tuple[nn.Module, str]], mesh: DeviceMesh) ->
 def is_expert_parameter(parameter: torch.Tensor) -> bool:
     """Whether `parameter` is split over an expert-parallel group (a DTensor over the expert mesh)."""
     return isinstance(parameter, DTensor) and parameter.device_mesh.mesh_dim_names == EXPERT_MESH_DIMS
-
-
-@torch.no_grad()
-def reduce_expert_gradients(parameters: Iterable[nn.Parameter], dp_size: int) -> None:
-    """g <- (1 / dp) sum over "edp" of g, for the expert parameters among `parameters` (the module
-    docstring); the others are left to their data-parallel mode."""
-    for parameter in parameters:
-        if parameter.grad is None or not is_expert_parameter(parameter):
-            continue
-        local = parameter.grad.to_local()
-        if parameter.device_mesh.size(0) > 1:
-            dist.all_reduce(local, group=parameter.device_mesh.get_group("edp"))
-        local.div_(dp_size)

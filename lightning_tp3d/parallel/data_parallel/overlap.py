@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp3d._compat.torch import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_tp3d.parallel.data_parallel.protocol import DataParallel
-from lightning_tp3d.parallel.data_parallel.replicate import ReplicateAfterBackward
-from lightning_tp3d.parallel.experts import is_expert_parameter, reduce_expert_gradients
+from lightning_tp3d.parallel.data_parallel.replicate import ReplicateAfterBackward, reduce_expert_gradients
+from lightning_tp3d.parallel.experts import is_expert_parameter
 from lightning_tp3d.parallel.tensor import local_part, shard_gradients_like_parameters
 from lightning_tp3d.plan.communication import BUCKET_BYTES
 from lightning_tp3d.plan.data_parallel import DataParallelPlan
