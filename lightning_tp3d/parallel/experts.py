@@ -38,6 +38,7 @@ from lightning_tp3d._compat.torch import functional_collectives
 __all__ = ["ExpertParallelExperts", "is_expert_parameter", "shard_experts"]
 
 EXPERT_MESH_DIMS = ("edp", "ep")
+EXPERT_DATA_PARALLEL_DIMS = "edp"  # the expert mesh's dimension over which an expert's replicas are averaged
 
 
 class ExpertParallelExperts(nn.Module):

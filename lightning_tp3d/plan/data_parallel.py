@@ -92,11 +92,11 @@ def choose_data_parallel(mode: str, data_parallel_size: int, pipeline_parallel_s
 
 
 def check_expert_parallel(expert_parallel_size: int, data_parallel_mode: str) -> None:
-    """Refuse what expert parallelism does not do yet: sharding over dp (FSDP2, ZeRO-1) besides the experts."""
+    """Refuse what expert parallelism does not do yet: ZeRO-1's parts of the experts over their replicas."""
     if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
         raise ValueError(f"expert_parallel_size must be a positive integer, got {expert_parallel_size!r}.")
-    if expert_parallel_size > 1 and data_parallel_mode != "replicate":
+    if expert_parallel_size > 1 and data_parallel_mode == "zero1":
         raise ValueError(
-            f"expert_parallel_size={expert_parallel_size} with data_parallel_mode={data_parallel_mode!r} is not"
-            " supported yet: the experts' gradients are averaged over their own replicas, which the sharded modes"
-            " do not do; use data_parallel_mode='replicate', or expert_parallel_size=1.")
+            f"expert_parallel_size={expert_parallel_size} with data_parallel_mode='zero1' is not supported yet: the"
+            " optimizer's parts are cut over all of dp, the experts' replicas span only dp / expert_parallel_size"
+            " ranks; use data_parallel_mode='fsdp' or 'replicate', or expert_parallel_size=1.")

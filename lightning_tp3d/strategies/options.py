@@ -65,8 +65,8 @@ class ParallelOptions:
     data_parallel_size: int | Literal["auto"] = _option("auto", "model replicas; \"auto\" is world size / (tp x pp).")
     expert_parallel_size: int = _option(
         1, "ranks a mixture-of-experts block's routed experts are split over, carved out of dp (it divides dp"
-        " and the expert count): tokens reach their experts by all-to-all (`parallel.experts`); \"replicate\""
-        " mode only, for now.")
+        " and the expert count): tokens reach their experts by all-to-all (`parallel.experts`); with \"replicate\""
+        " or \"fsdp\" (the experts sharded over their own replicas), not yet \"zero1\".")
     data_parallel_mode: Literal["replicate", "fsdp", "zero1"] = _option(
         "replicate", "\"replicate\" (gradients all-reduced over dp, DDP semantics), \"fsdp\" (FSDP2: parameters,"
         " gradients and optimizer state sharded over dp) or \"zero1\" (the optimizer state and update split over"

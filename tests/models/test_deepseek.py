@@ -11,8 +11,10 @@ after step 1, per tensor (rtol 1e-5, atol 1e-7, fp32: tp reorders the heads' and
 transformers loads with the live model's logits, and saves a checkpoint that resumes exactly at (1, 2, 2).
 
 Expert parallelism (`expert_parallel_size=2`, `parallel.experts`) runs the same comparison at (2, 1, 2),
-(1, 2, 2) 1F1B, (1, 1, 4) (two replicas of each expert group) and, in a world of 8, (2, 2, 2) 1F1B; its
-(1, 2, 2) checkpoint resumes exactly without it at (2, 1, 2) and exports whole experts; one step's
+(1, 2, 2) 1F1B, (1, 1, 4) (two replicas of each expert group) and, in a world of 8, (2, 2, 2) 1F1B, and
+with FSDP2 at (1, 2, 2) 1F1B (one replica: the experts outside the units) and (1, 1, 4) (each expert
+group's experts sharded over its two replicas); its (1, 2, 2) checkpoint resumes exactly without it at
+(2, 1, 2) and exports whole experts, the (1, 1, 4) FSDP2 one with the experts over 4 ranks; one step's
 all-to-all payloads equal the ledger's (`plan.moe`) at two layouts; and the experts module alone, with
 every token routed to one rank's experts, equals transformers' (outputs and gradients).
 """
@@ -118,13 +120,17 @@ RUNS = {
     "tp1-pp2-dp2-ep2-1f1b-replicate": dict(tp=1, pp=2, mode="replicate", experts=2, save=True),
     "tp1-pp1-dp4-ep2-replicate": dict(tp=1, pp=1, mode="replicate", experts=2),
     "tp2-pp2-dp2-ep2-1f1b-replicate": dict(tp=2, pp=2, mode="replicate", experts=2, world=8),
+    "tp1-pp2-dp2-ep2-1f1b-fsdp": dict(tp=1, pp=2, mode="fsdp", experts=2),
+    "tp1-pp1-dp4-ep2-fsdp": dict(tp=1, pp=1, mode="fsdp", experts=2, save=True),
 }
 EXPERT_RUNS = [name for name, run in RUNS.items() if run.get("experts", 1) > 1]
 # The (2, 2, 1) run saves after STEPS steps and resumes at (1, 2, 2) with FSDP2 for RESUMED_STEPS more; the
-# (1, 2, 2) run with its experts over 2 ranks resumes at (2, 1, 2) without expert parallelism.
+# (1, 2, 2) run with its experts over 2 ranks resumes at (2, 1, 2) without expert parallelism, and the
+# (1, 1, 4) FSDP2 run with its experts over 2 ranks (each rank 1 of 4) resumes with them over 4.
 RESUMED_STEPS = 3
 RESUME = {"resume": dict(tp=1, pp=2, mode="fsdp", resume="tp2-pp2-dp1-1f1b-replicate"),
-          "resume-experts": dict(tp=2, pp=1, mode="replicate", resume="tp1-pp2-dp2-ep2-1f1b-replicate")}
+          "resume-experts": dict(tp=2, pp=1, mode="replicate", resume="tp1-pp2-dp2-ep2-1f1b-replicate"),
+          "resume-experts-4": dict(tp=1, pp=1, mode="replicate", experts=4, resume="tp1-pp1-dp4-ep2-fsdp")}
 
 
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool = False, save: bool = False,
@@ -250,12 +256,16 @@ def test_a_checkpoint_resumes_exactly_at_another_layout(world_results):
 
 @pytest.mark.distributed
 def test_expert_parallel_runs_match_single_process_and_hold_only_their_experts(world_results):
-    """Each rank of an expert-parallel run holds 2 of each MoE block's 4 experts (the parity is in
+    """Each rank of an expert-parallel run holds 2 of each MoE block's 4 experts, and under FSDP2 with two
+    replicas of each expert group (1, 1, 4) 1 of them (the parity is in
     `test_deepseek_v3_matches_single_process_at_every_layout`, gradients gathered whole)."""
     for name in EXPERT_RUNS:
+        run = RUNS[name]
+        replicas = run.get("world", 4) // (run["tp"] * run["pp"] * run["experts"])
+        expected = SHAPE["n_routed_experts"] // run["experts"] // (replicas if run["mode"] == "fsdp" else 1)
         for rank_result in world_results[name]:
             held = rank_result["experts_held"]
-            assert held and all(shape[0] == SHAPE["n_routed_experts"] // 2 for shape in held.values()), (name, held)
+            assert held and all(shape[0] == expected for shape in held.values()), (name, expected, held)
 
 
 @pytest.mark.distributed

@@ -12,6 +12,16 @@ A tensor subclass with FSDP2's all-gather extension (`fsdp_pre_all_gather`: torc
 QLoRA base, `models.qlora`) is sharded as the subclass defines when dp > 1. Over a single rank FSDP2
 (torch 2.13) copies out only the first of a subclass's all-gather inputs, which breaks one with several
 (NF4 has three); there is nothing to shard there, so at dp = 1 such parameters are left out of the units.
+
+Routed experts split over an expert-parallel group (`parallel.experts`: DTensors (Replicate, Shard(0))
+over the ("edp", "ep") mesh) are a unit of their own, sharded over "edp" only: FSDP2's SPMD-mesh form
+(`dp_mesh_dims`), which keeps "ep" as the parameters' own split and cuts each rank's experts along dim 0
+over their d replicas. Their gradients are reduce-scattered over "edp" and divided by dp = d x E, not d:
+an expert's gradient is already summed over the E ranks of its group by the all-to-all's backward, so
+(1 / dp) sum over edp is the one-process gradient of the mean loss, as for every other parameter. With a
+single replica (d = 1, dp = E) there is nothing to shard, and FSDP2 (torch 2.13) would divide a one-rank
+unit's gradient by its factor twice; those experts stay out of the units and are divided by dp after the
+backward (`replicate.reduce_expert_gradients`, its all-reduce over one rank a no-op).
 """
 
 from __future__ import annotations
@@ -20,9 +30,11 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 
 from lightning_tp3d.parallel.data_parallel.protocol import DataParallel
+from lightning_tp3d.parallel.data_parallel.replicate import reduce_expert_gradients
+from lightning_tp3d.parallel.experts import EXPERT_DATA_PARALLEL_DIMS, ExpertParallelExperts, is_expert_parameter
 
 __all__ = ["FullyShard", "apply_fsdp"]
 
@@ -42,9 +54,29 @@ def apply_fsdp(roots: Iterable[nn.Module], dp_mesh: DeviceMesh, blocks: Iterable
     roots = list(roots)
     ignored = _single_rank_extensions(roots) if dp_mesh.size() == 1 else set()
     for block in blocks:
+        for experts in _expert_parallel_modules(block):
+            if not _shards_experts(experts):
+                ignored |= set(experts.parameters())
+                continue
+            # the parameters' own mesh object: DTensor may give them an equal one from its caches (an earlier
+            # mesh of the same layout), and FSDP2's SPMD form wants the very object
+            fully_shard(experts, mesh=experts.gate_up_proj.device_mesh, reshard_after_forward=reshard_after_forward,
+                        dp_mesh_dims=DataParallelMeshDims(shard=EXPERT_DATA_PARALLEL_DIMS))
+            experts.set_gradient_divide_factor(float(dp_mesh.size()))
+            experts.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no PREMUL_SUM)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
     for root in roots:
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+
+
+def _expert_parallel_modules(block: nn.Module) -> list[ExpertParallelExperts]:
+    """The routed experts split over an expert-parallel group within `block` (module docstring)."""
+    return [module for module in block.modules() if isinstance(module, ExpertParallelExperts)]
+
+
+def _shards_experts(experts: ExpertParallelExperts) -> bool:
+    """Whether FSDP2 shards `experts` over their replicas: only if there is more than one (module docstring)."""
+    return experts.mesh.size(0) > 1
 
 
 def _single_rank_extensions(roots: Iterable[nn.Module]) -> set[nn.Parameter]:
@@ -58,3 +90,12 @@ class FullyShard(DataParallel):
 
     def wrap(self, roots: Sequence[nn.Module], blocks: Iterable[nn.Module]) -> None:
         apply_fsdp(roots, self.mesh["dp"], blocks, reshard_after_forward=self.plan.reshard_after_forward)
+
+    def reduce_gradients(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+        """FSDP2 has reduced every unit's gradients; experts over a single replica, outside the units, are
+        divided by dp here."""
+        parameters = super().reduce_gradients(parameters)
+        reduce_expert_gradients([parameter for parameter in parameters
+                                 if is_expert_parameter(parameter) and parameter.device_mesh.size(0) == 1],
+                                self.plan.data_parallel_size)
+        return parameters
