@@ -91,12 +91,8 @@ def choose_data_parallel(mode: str, data_parallel_size: int, pipeline_parallel_s
     return DataParallelPlan(mode, data_parallel_size, reduction)
 
 
-def check_expert_parallel(expert_parallel_size: int, data_parallel_mode: str) -> None:
-    """Refuse what expert parallelism does not do yet: ZeRO-1's parts of the experts over their replicas."""
+def check_expert_parallel(expert_parallel_size: int) -> None:
+    """`expert_parallel_size` is a positive integer (every data-parallel mode carries experts)."""
     if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
         raise ValueError(f"expert_parallel_size must be a positive integer, got {expert_parallel_size!r}.")
-    if expert_parallel_size > 1 and data_parallel_mode == "zero1":
-        raise ValueError(
-            f"expert_parallel_size={expert_parallel_size} with data_parallel_mode='zero1' is not supported yet: the"
-            " optimizer's parts are cut over all of dp, the experts' replicas span only dp / expert_parallel_size"
-            " ranks; use data_parallel_mode='fsdp' or 'replicate', or expert_parallel_size=1.")
+

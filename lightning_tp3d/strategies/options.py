@@ -65,8 +65,8 @@ class ParallelOptions:
     data_parallel_size: int | Literal["auto"] = _option("auto", "model replicas; \"auto\" is world size / (tp x pp).")
     expert_parallel_size: int = _option(
         1, "ranks a mixture-of-experts block's routed experts are split over, carved out of dp (it divides dp"
-        " and the expert count): tokens reach their experts by all-to-all (`parallel.experts`); with \"replicate\""
-        " or \"fsdp\" (the experts sharded over their own replicas), not yet \"zero1\".")
+        " and the expert count): tokens reach their experts by all-to-all (`parallel.experts`); in every"
+        " data-parallel mode, the experts averaged and (\"fsdp\", \"zero1\") sharded over their own replicas.")
     data_parallel_mode: Literal["replicate", "fsdp", "zero1"] = _option(
         "replicate", "\"replicate\" (gradients all-reduced over dp, DDP semantics), \"fsdp\" (FSDP2: parameters,"
         " gradients and optimizer state sharded over dp) or \"zero1\" (the optimizer state and update split over"
@@ -180,7 +180,7 @@ class ParallelOptions:
                 " which training stops); turn the check off with skip_non_finite_steps=False."
             )
         check_recompute_options(self.recompute, self.recompute_method, self.recompute_num_layers)
-        check_expert_parallel(self.expert_parallel_size, self.data_parallel_mode)
+        check_expert_parallel(self.expert_parallel_size)
         check_float8(self.float8, self.tensor_parallel_size)
         if self.pretrained is not None and not (self.pretrained / "config.json").is_file():
             raise FileNotFoundError(

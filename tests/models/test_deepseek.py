@@ -13,8 +13,9 @@ transformers loads with the live model's logits, and saves a checkpoint that res
 Expert parallelism (`expert_parallel_size=2`, `parallel.experts`) runs the same comparison at (2, 1, 2),
 (1, 2, 2) 1F1B, (1, 1, 4) (two replicas of each expert group) and, in a world of 8, (2, 2, 2) 1F1B, and
 with FSDP2 at (1, 2, 2) 1F1B (one replica: the experts outside the units) and (1, 1, 4) (each expert
-group's experts sharded over its two replicas); its (1, 2, 2) checkpoint resumes exactly without it at
-(2, 1, 2) and exports whole experts, the (1, 1, 4) FSDP2 one with the experts over 4 ranks; one step's
+group's experts sharded over its two replicas), and with ZeRO-1 at (1, 1, 4); its (1, 2, 2) checkpoint
+resumes exactly without it at (2, 1, 2) and exports whole experts, the (1, 1, 4) FSDP2 one with the
+experts over 4 ranks, the (1, 1, 4) ZeRO-1 one at (1, 2, 2) with FSDP2; one step's
 all-to-all payloads equal the ledger's (`plan.moe`) at two layouts; and the experts module alone, with
 every token routed to one rank's experts, equals transformers' (outputs and gradients).
 """
@@ -122,15 +123,18 @@ RUNS = {
     "tp2-pp2-dp2-ep2-1f1b-replicate": dict(tp=2, pp=2, mode="replicate", experts=2, world=8),
     "tp1-pp2-dp2-ep2-1f1b-fsdp": dict(tp=1, pp=2, mode="fsdp", experts=2),
     "tp1-pp1-dp4-ep2-fsdp": dict(tp=1, pp=1, mode="fsdp", experts=2, save=True),
+    "tp1-pp1-dp4-ep2-zero1": dict(tp=1, pp=1, mode="zero1", experts=2, save=True),
 }
 EXPERT_RUNS = [name for name, run in RUNS.items() if run.get("experts", 1) > 1]
 # The (2, 2, 1) run saves after STEPS steps and resumes at (1, 2, 2) with FSDP2 for RESUMED_STEPS more; the
 # (1, 2, 2) run with its experts over 2 ranks resumes at (2, 1, 2) without expert parallelism, and the
-# (1, 1, 4) FSDP2 run with its experts over 2 ranks (each rank 1 of 4) resumes with them over 4.
+# (1, 1, 4) FSDP2 run with its experts over 2 ranks (each rank 1 of 4) resumes with them over 4, the
+# (1, 1, 4) ZeRO-1 one (the experts' optimizer state in parts over their replicas) at (1, 2, 2) with FSDP2.
 RESUMED_STEPS = 3
 RESUME = {"resume": dict(tp=1, pp=2, mode="fsdp", resume="tp2-pp2-dp1-1f1b-replicate"),
           "resume-experts": dict(tp=2, pp=1, mode="replicate", resume="tp1-pp2-dp2-ep2-1f1b-replicate"),
-          "resume-experts-4": dict(tp=1, pp=1, mode="replicate", experts=4, resume="tp1-pp1-dp4-ep2-fsdp")}
+          "resume-experts-4": dict(tp=1, pp=1, mode="replicate", experts=4, resume="tp1-pp1-dp4-ep2-fsdp"),
+          "resume-experts-zero1": dict(tp=1, pp=2, mode="fsdp", experts=2, resume="tp1-pp1-dp4-ep2-zero1")}
 
 
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool = False, save: bool = False,

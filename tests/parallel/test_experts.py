@@ -24,11 +24,9 @@ def test_the_expert_parallel_group_is_carved_out_of_dp():
         ParallelLayout.resolve(world_size=8, tensor_parallel_size=2, expert_parallel_size=3)
 
 
-def test_expert_parallel_with_zero1_is_refused():
-    with pytest.raises(ValueError, match=r"expert_parallel_size=2 with data_parallel_mode='zero1' is not supported"
-                                         r" yet.*use data_parallel_mode='fsdp' or 'replicate'"):
-        ParallelOptions(expert_parallel_size=2, data_parallel_mode="zero1")
-    assert ParallelOptions(expert_parallel_size=2, data_parallel_mode="fsdp").expert_parallel_size == 2
+@pytest.mark.parametrize("mode", ["replicate", "fsdp", "zero1"])
+def test_expert_parallel_is_accepted_in_every_data_parallel_mode_and_must_be_positive(mode):
+    assert ParallelOptions(expert_parallel_size=2, data_parallel_mode=mode).expert_parallel_size == 2
     with pytest.raises(ValueError, match=r"expert_parallel_size must be a positive integer, got 0"):
         ParallelOptions(expert_parallel_size=0)
 

@@ -20,6 +20,11 @@ the same calls (gloo carries its reduce-scatter out as an all-reduce of the buck
 `plan.communication`). A parameter tp splits and dp cannot cut (a 1-D column-parallel bias) is
 all-reduced whole and updated on every rank.
 
+Routed experts split over an expert-parallel group (`parallel.experts`: DTensors (Replicate, Shard(0))
+over the ("edp", "ep") mesh) are cut the same way over their own replicas, "edp", with their own buckets:
+the reduce-scatter sums an expert's gradient over edp and divides by dp = d x E (the all-to-all's backward
+has already summed it over ep), and the all-gather runs over edp.
+
 Only optimizers that update each element on its own (`ELEMENTWISE_OPTIMIZERS`) give the same update on
 parts as on the whole; others are refused. The optimizer's state dict is read and written through
 `state_module`, a module tree holding the parts under the parameters' names, so a checkpoint keys the
@@ -40,6 +45,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from lightning_tp3d._compat.torch import all_gather_single, reduce_scatter_single
 from lightning_tp3d.parallel.data_parallel.protocol import DataParallel
+from lightning_tp3d.parallel.experts import is_expert_parameter
 from lightning_tp3d.parallel.labels import DP_PHASE, label
 from lightning_tp3d.parallel.tensor import local_part
 from lightning_tp3d.plan.communication import BUCKET_BYTES
@@ -73,14 +79,17 @@ class _Part:
 
 
 class ZeroOptimizerSharding:
-    """The parts of `named_parameters` (those given to an optimizer) over `mesh` = the (dp, tp) mesh."""
+    """The parts of `named_parameters` (those given to an optimizer) over `mesh`'s first dimension: the
+    (dp, tp) mesh, or the experts' own ("edp", "ep") mesh. Gradients are summed over that dimension and
+    divided by `divisor` (its size by default; dp for experts, module docstring)."""
 
     def __init__(self, named_parameters: Sequence[tuple[str, nn.Parameter]], mesh: DeviceMesh,
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, divisor: int | None = None) -> None:
         self.mesh = mesh
-        self.group = mesh["dp"].get_group()
-        self.dp = mesh["dp"].size()
-        self.rank = mesh["dp"].get_local_rank()
+        self.group = mesh.get_group(0)
+        self.dp = mesh.size(0)
+        self.rank = mesh.get_local_rank(0)
+        self.divisor = divisor or self.dp
         parts = [self._part(name, parameter) for name, parameter in named_parameters]
         dtypes = {part.local.dtype for part in parts}
         if len(dtypes) > 1:
@@ -92,11 +101,11 @@ class ZeroOptimizerSharding:
         element_bytes = parts[0].local.element_size() if parts else 4
         sizes = [part_sizes(tuple(part.local.shape), part.tp_dim, self.dp) for part in self._cut]
         self._buckets = pack_buckets(sizes, self.dp, element_bytes, bucket_bytes)
-        self.state_module = _module_tree({part.name: part.shard for part in parts})
+        self.shards = {part.name: part.shard for part in parts}
 
     def _part(self, name: str, parameter: nn.Parameter) -> _Part:
         local = local_part(parameter).data
-        tp_placement: Placement = parameter.placements[0] if isinstance(parameter, DTensor) else Replicate()
+        tp_placement: Placement = parameter.placements[-1] if isinstance(parameter, DTensor) else Replicate()
         tp_dim = tp_placement.dim if isinstance(tp_placement, Shard) else None
         dim = dp_split_dim(tuple(local.shape), tp_dim)
         if dim is None:
@@ -110,9 +119,16 @@ class ZeroOptimizerSharding:
         shard = nn.Parameter(whole, requires_grad=parameter.requires_grad)
         return _Part(name, parameter, local, tp_dim, dim, sizes, shard)
 
+    def shard_of(self, parameter: nn.Parameter) -> nn.Parameter | None:
+        """The part the optimizer updates in `parameter`'s place; None if this sharding does not hold it."""
+        part = self._by_parameter.get(id(parameter))
+        return part.shard if part is not None else None
+
     # ------------------------------------------------------------------ optimizers
-    def shard(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Hand each optimizer the parts in place of the module's parameters (before its first step)."""
+    @staticmethod
+    def shard(shardings: Sequence[ZeroOptimizerSharding], optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Hand each optimizer the parts of `shardings` in place of the module's parameters (before its
+        first step)."""
         for optimizer in optimizers:
             if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
                 raise TypeError(
@@ -124,15 +140,8 @@ class ZeroOptimizerSharding:
             if optimizer.state:
                 raise RuntimeError("data_parallel_mode='zero1' must shard an optimizer before its first step.")
             for group in optimizer.param_groups:  # a frozen parameter is never updated: it leaves the groups
-                group["params"] = [self._shard_of(parameter) for parameter in group["params"]
+                group["params"] = [_shard_among(shardings, parameter) for parameter in group["params"]
                                    if parameter.requires_grad]
-
-    def _shard_of(self, parameter: nn.Parameter) -> nn.Parameter:
-        part = self._by_parameter.get(id(parameter))
-        if part is None:
-            raise ValueError("data_parallel_mode='zero1': an optimizer holds a tensor that is not a parameter of the"
-                             " module being trained; build the optimizer from the module's parameters.")
-        return part.shard
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -147,7 +156,7 @@ class ZeroOptimizerSharding:
             flat = torch.zeros(bucket.payload(self.dp), dtype=gradients[0].dtype, device=gradients[0].device)
             for rank in range(self.dp):
                 self._pack(flat, bucket.segment * rank, rank, members, gradients)
-            flat.div_(self.dp)
+            flat.div_(self.divisor)
             segment = flat.new_empty(bucket.segment)
             reduce_scatter_single(segment, flat, group=self.group)
             offset = 0
@@ -158,7 +167,7 @@ class ZeroOptimizerSharding:
                 offset += local.numel()
         if self._whole:
             gradients = [self._take_gradient(part) for part in self._whole]
-            flat = torch.cat([gradient.reshape(-1) for gradient in gradients]).div_(self.dp)
+            flat = torch.cat([gradient.reshape(-1) for gradient in gradients]).div_(self.divisor)
             dist.all_reduce(flat, group=self.group)
             for part, gradient in zip(self._whole, flat.split([gradient.numel() for gradient in gradients])):
                 part.shard.grad = _like(part.shard, gradient.view(part.local.shape)) if received[id(part)] else None
@@ -207,27 +216,47 @@ class ShardedOptimizerState(DataParallel):
 
     def __init__(self, plan: DataParallelPlan, mesh: DeviceMesh) -> None:
         super().__init__(plan, mesh)
-        self._sharding: ZeroOptimizerSharding | None = None
+        self._shardings: list[ZeroOptimizerSharding] = []  # the model's, then the experts' (if split over ep)
+        self._state_module: nn.Module | None = None
 
     def shard_optimizers(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         held = {id(parameter) for optimizer in optimizers for group in optimizer.param_groups
                 for parameter in group["params"]}
         named = [(name, parameter) for name, parameter in module.named_parameters()
                  if id(parameter) in held and parameter.requires_grad]  # frozen weights have nothing to shard
-        self._sharding = ZeroOptimizerSharding(named, self.mesh["dp", "tp"], BUCKET_BYTES)
-        self._sharding.shard(optimizers)
+        experts = [(name, parameter) for name, parameter in named if is_expert_parameter(parameter)]
+        self._shardings = [ZeroOptimizerSharding([(name, parameter) for name, parameter in named
+                                                  if not is_expert_parameter(parameter)],
+                                                 self.mesh["dp", "tp"], BUCKET_BYTES)]
+        if experts:
+            self._shardings.append(ZeroOptimizerSharding(experts, experts[0][1].device_mesh, BUCKET_BYTES,
+                                                         divisor=self.plan.data_parallel_size))
+        ZeroOptimizerSharding.shard(self._shardings, optimizers)
+        self._state_module = _module_tree({name: shard for sharding in self._shardings
+                                           for name, shard in sharding.shards.items()})
 
     def reduce_gradients(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
         parameters = super().reduce_gradients(parameters)
-        return self._sharding.reduce_scatter_gradients() if self._sharding is not None else parameters
+        if not self._shardings:
+            return parameters
+        return [shard for sharding in self._shardings for shard in sharding.reduce_scatter_gradients()]
 
     def after_optimizer_step(self) -> None:
-        if self._sharding is not None:
-            with label(DP_PHASE + "all_gather_parameters"):
-                self._sharding.all_gather_parameters()
+        with label(DP_PHASE + "all_gather_parameters"):
+            for sharding in self._shardings:
+                sharding.all_gather_parameters()
 
     def optimizer_owner(self, module: nn.Module) -> nn.Module:
-        return self._sharding.state_module if self._sharding is not None else module
+        return self._state_module if self._state_module is not None else module
+
+
+def _shard_among(shardings: Sequence[ZeroOptimizerSharding], parameter: nn.Parameter) -> nn.Parameter:
+    for sharding in shardings:
+        shard = sharding.shard_of(parameter)
+        if shard is not None:
+            return shard
+    raise ValueError("data_parallel_mode='zero1': an optimizer holds a tensor that is not a parameter of the"
+                     " module being trained; build the optimizer from the module's parameters.")
 
 
 def _like(shard: nn.Parameter, local: torch.Tensor) -> DTensor:
