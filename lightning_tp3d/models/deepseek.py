@@ -3,8 +3,9 @@ mixture-of-experts (MoE) layers, held as transformers builds them.
 
 Pipelining and data parallelism (replicate, ZeRO-1, FSDP2) take the model as any Hugging Face causal LM
 (`models.huggingface`: the stages run the model's own forward over their blocks, dense and MoE blocks
-alike). What differs is the tensor-parallel plan, which follows MLA's shapes (h hidden, a heads, r_q and
-r_kv the query and key-value latent ranks, d_n / d_r / d_v a head's non-rotary, rotary and value dims):
+alike), its routed experts as any fused-expert MoE model's (`models.moe`). What differs is the
+tensor-parallel plan, which follows MLA's shapes (h hidden, a heads, r_q and r_kv the query and key-value
+latent ranks, d_n / d_r / d_v a head's non-rotary, rotary and value dims):
 
 * `q_a_proj` (h -> r_q) with `q_a_layernorm`, and `kv_a_proj_with_mqa` (h -> r_kv + d_r) with
   `kv_a_layernorm`, stay replicated: the latents are low rank and every head reads them whole, and the
@@ -34,7 +35,6 @@ dense, rotary dim 64).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_tp3d.models.huggingface import HuggingFaceCausalLMAdapter, is_huggingface_causal_lm
+from lightning_tp3d.models.huggingface import is_huggingface_causal_lm
+from lightning_tp3d.models.moe import HuggingFaceMoEAdapter
 from lightning_tp3d.parallel.tensor import SharedAcrossHeads, TensorParallelPlan
 from lightning_tp3d.parallel.vocab_parallel import VocabParallelHead
 
@@ -72,9 +73,10 @@ def deepseek_v3_tp_plan(rotary_dim: int, num_layers: int, dense_layers: int, que
 
 
 @dataclass(frozen=True)
-class DeepseekV3Adapter(HuggingFaceCausalLMAdapter):
-    """`transformers.DeepseekV3ForCausalLM` (see the module docstring); the plan's shape fields are read
-    from the network's config by `for_network`."""
+class DeepseekV3Adapter(HuggingFaceMoEAdapter):
+    """`transformers.DeepseekV3ForCausalLM` (see the module docstring): a fused-expert MoE model
+    (`models.moe`: its routed experts, the features it refuses) with MLA's plan, whose shape fields are
+    read from the network's config by `for_network`."""
 
     rotary_dim: int = 64
     num_layers: int = 61
@@ -91,22 +93,6 @@ class DeepseekV3Adapter(HuggingFaceCausalLMAdapter):
         config = network.config
         return cls(rotary_dim=config.qk_rope_head_dim, num_layers=config.num_hidden_layers,
                    dense_layers=config.first_k_dense_replace, query_latent=config.q_lora_rank is not None)
-
-    def check_features(self, *, recompute: str = "none", compiled: bool = False, float8: str | None = None,
-                       peft: bool = False) -> None:
-        """Recompute, regional compilation, FP8 and PEFT are not yet tested with MLA and MoE blocks: refused.
-        (transformers' grouped-matmul experts record other saved tensors when a block is recomputed.)"""
-        asked = {"recompute": recompute != "none", "compile": compiled, "float8": float8 is not None,
-                 "a PEFT (LoRA) model": peft}
-        refused = [feature for feature, wanted in asked.items() if wanted]
-        if refused:
-            raise ValueError(
-                f"{', '.join(refused)} with DeepSeek-V3 (multi-head latent attention and mixture-of-experts blocks) is"
-                " not supported yet; train it with recompute='none', compile=None, float8=None and without PEFT.")
-
-    def routed_experts(self, blocks: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
-        """Each MoE block's `mlp.experts` (the dense blocks have none)."""
-        return [(block.mlp, "experts") for block in blocks if hasattr(getattr(block, "mlp", None), "experts")]
 
     @property
     def name(self) -> str:

@@ -18,12 +18,14 @@ from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.models.deepseek import DeepseekV3Adapter
 from lightning_tp3d.models.huggingface import HuggingFaceCausalLMAdapter
 from lightning_tp3d.models.lora import PeftLoraAdapter
+from lightning_tp3d.models.moe import HuggingFaceMoEAdapter
 from lightning_tp3d.parallel.attributes import import_object
 
 __all__ = ["MODEL_FAMILIES", "ModelAdapterOption", "WRAPPER_FAMILIES", "check_model_adapter",
            "resolve_model_adapter"]
 
-MODEL_FAMILIES: tuple[type[ModelAdapter], ...] = (DeepseekV3Adapter, HuggingFaceCausalLMAdapter, ModelAdapter)
+MODEL_FAMILIES: tuple[type[ModelAdapter], ...] = (DeepseekV3Adapter, HuggingFaceMoEAdapter, HuggingFaceCausalLMAdapter,
+                                                  ModelAdapter)
 WRAPPER_FAMILIES = (PeftLoraAdapter,)
 
 ModelAdapterOption = ModelAdapter | type[ModelAdapter] | str | None

@@ -16,27 +16,31 @@ Attention masks with padding are refused under pipelining (every micro-batch mus
 sequences); per-layer attention types (Qwen2's sliding-window layers) are refused when they differ.
 
 `HuggingFaceCausalLMAdapter` is the family's `ModelAdapter`: Llama's names and tensor-parallel plan (Llama,
-Mistral, Qwen2 share them), these stages, and the model's own config (with its architecture) recorded for
-the export's `config.json`.
+Mistral, Qwen2 share them; Qwen3's per-head query and key norms added, `head_norm_plan`), these stages,
+and the model's own config (with its architecture) recorded for the export's `config.json`.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import SequenceParallel
 
 from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.models.cross_entropy import chunked_cross_entropy
 from lightning_tp3d.models.llama import IGNORE_INDEX
 from lightning_tp3d.parallel.pipeline.stages import PipelineStages, StageLoss
+from lightning_tp3d.parallel.tensor import TensorParallelPlan
 from lightning_tp3d.parallel.vocab_parallel import takes_sharded_logits
 
-__all__ = ["HuggingFaceCausalLMAdapter", "HuggingFaceStages", "is_huggingface_causal_lm"]
+__all__ = ["HuggingFaceCausalLMAdapter", "HuggingFaceStages", "has_head_norms", "head_norm_plan",
+           "is_huggingface_causal_lm"]
 
 
 def is_huggingface_causal_lm(network: nn.Module) -> bool:
@@ -127,12 +131,42 @@ class HuggingFaceStages(PipelineStages):
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
+def has_head_norms(network: nn.Module) -> bool:
+    """Whether the blocks' attention normalises each head's query and key (`q_norm` / `k_norm` over one
+    head's dims: Qwen3, Qwen3-MoE)."""
+    attention = getattr(network.model.layers[0], "self_attn", None) if len(network.model.layers) else None
+    norm = getattr(attention, "q_norm", None)
+    return norm is not None and getattr(norm, "weight", None) is not None \
+        and norm.weight.numel() == getattr(attention, "head_dim", None)
+
+
+def head_norm_plan() -> TensorParallelPlan:
+    """Per-head query / key norms under tp: each rank normalises its own heads with the whole (replicated)
+    weight, so a rank's weight gradient is the sum over its heads only. torch's `SequenceParallel` over the
+    heads dim of the [b, s, heads, d] view the norm sees (torchtitan's Qwen3 plan) makes the weight a
+    replicated DTensor and the input Shard(2): the gradient comes out Partial and is summed over tp where
+    gradients are cut to their parameters' placement."""
+    return {f"model.layers.*.self_attn.{name}": SequenceParallel(sequence_dim=2, use_local_output=True)
+            for name in ("q_norm", "k_norm")}
+
+
+@dataclass(frozen=True)
 class HuggingFaceCausalLMAdapter(ModelAdapter):
-    """The `transformers` causal LMs of the Llama shape (see the module docstring)."""
+    """The `transformers` causal LMs of the Llama shape (see the module docstring); `head_norms`, read from
+    the network by `for_network`: per-head query / key norms (`head_norm_plan`)."""
+
+    head_norms: bool = False
 
     @classmethod
     def matches(cls, network: nn.Module) -> bool:
         return is_huggingface_causal_lm(network)
+
+    @classmethod
+    def for_network(cls, network: nn.Module) -> HuggingFaceCausalLMAdapter:
+        return cls(head_norms=has_head_norms(network))
+
+    def default_tp_plan(self) -> TensorParallelPlan:
+        return super().default_tp_plan() | (head_norm_plan() if self.head_norms else {})
 
     @property
     def name(self) -> str:

@@ -4,6 +4,9 @@ The module below is what a Lightning project holds (`self.model = LlamaForCausal
 `self.model(input_ids=..., labels=input_ids).loss`); nothing in it knows about this package. Each run is
 compared with the same module trained by a plain single-process PyTorch loop on the same samples: the
 losses of 5 steps and every gradient each rank holds after step 1, per tensor (rtol 1e-5, atol 1e-7, fp32).
+Two mixture-of-experts families run as they are (`models.moe`): Qwen3-MoE (a dense first block, then MoE
+blocks of 4 routed experts, 2 per token) at (2, 1, 2) with its experts over 2 ranks, exported and loaded
+by transformers with the live logits, and Mixtral at (1, 2, 2) 1F1B with FSDP2 and its experts over 2 ranks.
 """
 
 from __future__ import annotations
@@ -43,14 +46,20 @@ SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 
 
+EXPERTS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0]),
+           "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+
+
 def hf_network(architecture: str) -> nn.Module:
     """A tiny `transformers` model, identical on every rank (seeded), computing attention with SDPA."""
     torch.manual_seed(0)
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "mistral": transformers.MistralConfig}[architecture]
-    config = config_class(**SHAPE, attn_implementation="sdpa")
+                    "mistral": transformers.MistralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+                    "mixtral": transformers.MixtralConfig}[architecture]
+    config = config_class(**SHAPE, **EXPERTS.get(architecture, {}), attn_implementation="sdpa")
     model_class = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                   "mistral": transformers.MistralForCausalLM}[architecture]
+                   "mistral": transformers.MistralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+                   "mixtral": transformers.MixtralForCausalLM}[architecture]
     return model_class(config)
 
 
@@ -100,7 +109,10 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {
                                                                   mode="replicate", schedule="gpipe",
                                                                   from_pretrained="transformers"),
         "llama-meta-pretrained-option-tp2-pp2-dp1-1f1b-fsdp": dict(architecture="llama", tp=2, pp=2, mode="fsdp",
-                                                                   from_pretrained="shards")},
+                                                                   from_pretrained="shards"),
+        "qwen3moe-tp2-pp1-dp2-ep2-replicate": dict(architecture="qwen3_moe", tp=2, pp=1, mode="replicate", experts=2,
+                                                   export=True),
+        "mixtral-tp1-pp2-dp2-ep2-1f1b-fsdp": dict(architecture="mixtral", tp=1, pp=2, mode="fsdp", experts=2)},
 }
 # The (1, 2, 2) FSDP run saves after STEPS steps; this run resumes it at (2, 1, 2) for RESUMED_STEPS more.
 RESUMED_STEPS = 3
@@ -110,7 +122,7 @@ CONFIGURATIONS = {name: configuration for runs in RUNS.values() for name, config
 
 def _fit(directory: Path, name: str, architecture: str, tp: int, pp: int, mode: str, schedule: str = "1f1b",
          export: bool = False, from_pretrained: str | None = None, save: bool = False, resume: bool = False,
-         recompute: str = "none") -> dict[str, Any]:
+         recompute: str = "none", experts: int = 1) -> dict[str, Any]:
     """`from_pretrained`: "transformers" (the module calls `from_pretrained`) or "shards" (the module builds
     on the meta device and the strategy's `pretrained=` reads each rank's slices)."""
     dp = world_size() // (tp * pp)
@@ -119,6 +131,7 @@ def _fit(directory: Path, name: str, architecture: str, tp: int, pp: int, mode: 
     folder = directory / "pretrained"
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_schedule=schedule,
                             num_microbatches=2, data_parallel_mode=mode, recompute=recompute,
+                            expert_parallel_size=experts,
                             pretrained=folder if from_pretrained == "shards" else None)
     callbacks = [capture] + ([consistency] if export else [])
     if save:  # inside fit, at the last step: mid-epoch, as a run that goes on would save
