@@ -3,11 +3,13 @@
     tp3d plan deepseek-llm-7b --tp 8 --pp 4 --dp 2 --num-microbatches 8 --seq-len 4096
     tp3d plan deepseek-llm-7b --tp 8 --pp 4 --dp 2 --bandwidth tp=150GB pp=25GB dp=25GB --json
     tp3d plan deepseek-llm-67b --serve --gpu-memory 80GiB --max-model-len 4096 --deploy-tp 4 8
+    tp3d plan deepseek-v3 --tp 8 --pp 16 --dp 64 --ep 8 --num-microbatches 32 --precision bf16-mixed
 
 Training: the per-rank memory ledger (`plan.ledger`), the pipeline bubble and the communication ledger
 (`plan.communication`: calls and bytes per step for each of the tp, pp and dp groups, with times on the
 given links). Serving (`--serve`): weights and KV cache per GPU for each deploy tensor-parallel size and
-the vLLM command line.
+the vLLM command line. A DeepSeek mixture-of-experts model (`--ep`): its parameters and the expert-parallel
+all-to-alls (`cli.plan_experts`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import sys
 import textwrap
 from dataclasses import asdict
 
+from lightning_tp3d.cli.communication import GPUS_PER_NODE, communication_lines, given_bandwidths
+from lightning_tp3d.cli.plan_experts import run_moe_plan
 from lightning_tp3d.plan.advisor import Cluster, advise
-from lightning_tp3d.plan.communication import GROUPS, CommunicationLedger, communication_ledger, group_bandwidths
+from lightning_tp3d.plan.communication import communication_ledger, group_bandwidths
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.data_parallel import DATA_PARALLEL_MODES
 from lightning_tp3d.plan.layout import ParallelLayout
@@ -31,6 +35,7 @@ from lightning_tp3d.plan.ledger import (
     training_ledger,
 )
 from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
+from lightning_tp3d.plan.moe import MOE_PRESETS, resolve_moe_config
 from lightning_tp3d.plan.qlora import NF4_FORMAT, NF4Format
 from lightning_tp3d.plan.schedules import BUBBLE_FORMULAS, PIPELINE_SCHEDULES, schedule_bubble_fraction
 from lightning_tp3d.plan.units import parse_size
@@ -44,7 +49,6 @@ SERVING_DTYPE = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-tr
                  "16-mixed": "fp16"}
 _OOM_RETRY_UTILIZATION = 0.85  # the design documents' first step when a server does not start
 _MICROBATCHES_PER_STAGE = 4  # m >= 4 x pp keeps the GPipe / 1F1B bubble under 20%
-_GPUS_PER_NODE = 8  # when --gpus-per-node is not given: which groups cross nodes
 
 
 def _unit(largest: int) -> tuple[str, int]:
@@ -67,10 +71,13 @@ def _sequence_length(args: argparse.Namespace, config: ModelConfig) -> tuple[int
 
 def plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser("plan", help="validate a layout and print the memory ledger")
-    plan.add_argument("model", help=f"a preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json path")
+    plan.add_argument("model", help=f"a preset ({', '.join([*MODEL_PRESETS, *MOE_PRESETS])}) or a Hugging Face"
+                                    " config.json path")
     plan.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     plan.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     plan.add_argument("--dp", type=int, default=1, help="data parallel size")
+    plan.add_argument("--ep", type=int, default=1,
+                      help="expert parallel size, carved out of dp (a mixture-of-experts model: deepseek-v3, ...)")
     plan.add_argument("--micro-batch-size", type=int, default=1)
     plan.add_argument("--num-microbatches", type=int, default=None, help="per step (default: pp)")
     plan.add_argument("--gradient-accumulation-steps", type=int, default=1)
@@ -161,38 +168,6 @@ def _run_serve_plan(args: argparse.Namespace, config: ModelConfig) -> int:
     return 0
 
 
-def _given_bandwidths(args: argparse.Namespace) -> dict[str, float]:
-    """GB/s per group from --doctor-report (largest message measured), then --bandwidth on top."""
-    given: dict[str, float] = {}
-    if args.doctor_report is not None:
-        with open(args.doctor_report) as handle:
-            measurements = json.load(handle)["measurements"]
-        for row in sorted(measurements, key=lambda row: row["bytes"]):
-            given[row["dimension"]] = row["bandwidth_gbps"]
-    for item in args.bandwidth:
-        group, _, value = item.partition("=")
-        if group not in GROUPS or not value:
-            raise ValueError(f"--bandwidth {item!r}: write GROUP=GB/s with GROUP one of {list(GROUPS)}, e.g. tp=150.")
-        given[group] = float(value.removesuffix("GB/s").removesuffix("GB"))
-    return given
-
-
-def _communication_lines(ledger: CommunicationLedger, bandwidth: dict[str, float]) -> list[str]:
-    lines = ["communication per step and rank (lightning_tp3d.plan.communication)",
-             "(payload: the tensors handed to collectives; sent: the ring algorithm's bytes on the wire)",
-             f"{'stage':>5} {'group':>5} {'calls':>7} {'payload MB':>11} {'sent MB':>10} {'GB/s':>7} {'ms':>9}"
-             f" {'hideable ms':>11}"]
-    for stage in range(len(ledger.stages)):
-        totals, seconds = ledger.totals(stage), ledger.seconds(stage, bandwidth)
-        for group in GROUPS:
-            total, time = totals[group], seconds[group]
-            if total["calls"]:
-                lines.append(f"{stage:>5} {group:>5} {total['calls']:>7,} {total['payload_bytes'] / 1e6:>11,.1f}"
-                             f" {total['sent_bytes'] / 1e6:>10,.1f} {bandwidth[group] / 1e9:>7.1f}"
-                             f" {time['seconds'] * 1e3:>9.1f} {time['hideable_seconds'] * 1e3:>11.1f}")
-    return lines
-
-
 _ADVISOR_LEGEND = (
     "m: micro-batches per pipeline pass; k: gradient-accumulation steps; reshard: FSDP frees a block's gathered"
     " weights after its forward (fsdp_reshard_after_forward); GiB: the fullest rank's memory (the ledger); step s:"
@@ -206,8 +181,8 @@ def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
     if args.global_batch_size is None:
         raise ValueError("the advisor needs --global-batch-size B: the sequences of one optimizer step over all dp"
                          " ranks (per-rank batch_size x dp x accumulate_grad_batches in your run).")
-    cluster = Cluster(args.gpus, parse_size(args.gpu_memory), args.gpus_per_node or _GPUS_PER_NODE,
-                      args.gpu_tflops, args.mfu, group_gbps=_given_bandwidths(args))
+    cluster = Cluster(args.gpus, parse_size(args.gpu_memory), args.gpus_per_node or GPUS_PER_NODE,
+                      args.gpu_tflops, args.mfu, group_gbps=given_bandwidths(args))
     candidates = advise(config, cluster, args.global_batch_size, args.seq_len, args.precision, args.micro_batch_size,
                         args.lora_rank, tuple(args.lora_targets), _qlora(args))
     fitting = [candidate for candidate in candidates if candidate.fits]
@@ -260,7 +235,13 @@ def _qlora(args: argparse.Namespace) -> NF4Format | None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    experts = resolve_moe_config(args.model)
+    if experts is not None:
+        return run_moe_plan(args, experts, args.seq_len or _DEFAULT_SEQ_LEN)
     config = resolve_model_config(args.model)
+    if args.ep != 1:
+        raise ValueError(f"--ep {args.ep} splits routed experts, but {args.model} has none; use --ep 1, or a"
+                         f" mixture-of-experts model ({', '.join(MOE_PRESETS)} or a DeepSeek config.json).")
     args.seq_len, seq_len_note = _sequence_length(args, config)
     if args.serve:
         return _run_serve_plan(args, config)
@@ -283,7 +264,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     bubble = schedule_bubble_fraction(args.schedule, layout.pipeline_parallel_size, layout.num_microbatches,
                                       args.stages_per_rank)
     communication = communication_ledger(config, layout, options)
-    bandwidth = group_bandwidths(layout, args.gpus_per_node or _GPUS_PER_NODE, given_gbps=_given_bandwidths(args))
+    bandwidth = group_bandwidths(layout, args.gpus_per_node or GPUS_PER_NODE, given_gbps=given_bandwidths(args))
     if args.plot:
         from lightning_tp3d.cli.plots import plot_memory, schedule_timeline
 
@@ -335,7 +316,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         if m < more:
             print(f"  num_microbatches >= {_MICROBATCHES_PER_STAGE} x pp = {more} brings it to"
                   f" {schedule_bubble_fraction(args.schedule, pp, more, args.stages_per_rank):.0%}")
-    print("\n".join(_communication_lines(communication, bandwidth)))
+    print("\n".join(communication_lines(communication, bandwidth)))
     unit, scale = _unit(max(serving.kv_bytes_total, *(option.weight_bytes_per_gpu for option in serving.options
                                                        if option.valid)))
     print(f"serving {serving.dtype}, pipeline stages merged:\nKV cache {serving.kv_bytes_per_token:,} B/token,"

@@ -75,15 +75,17 @@ from lightning_tp3d.plan.recompute import recomputed_layers
 from lightning_tp3d.plan.schedules import rank_stages
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, LAYER_WEIGHTS, WeightSplit
 
-__all__ = ["BUCKET_BYTES", "DEFAULT_LINKS_GBPS", "GROUPS", "CommunicationLedger", "Transfer",
-           "communication_ledger", "group_bandwidths", "groups_inside_a_node"]
+__all__ = ["BUCKET_BYTES", "DEFAULT_LINKS_GBPS", "EXPERT_GROUP", "GROUPS", "CommunicationLedger", "Transfer",
+           "activation_bytes", "communication_ledger", "group_bandwidths", "groups_inside_a_node"]
 
 GROUPS = ("tp", "pp", "dp")
+EXPERT_GROUP = "ep"  # an expert-parallel group (`plan.moe.expert_ledger`): tp x E consecutive ranks
 BUCKET_BYTES = 25 * 2**20  # the overlapped replicate reduction's bucket size, DDP's default bucket_cap_mb
 # Bus bandwidth of a link (GB/s, 10^9 bytes), `tp3d doctor`'s floors: NVLink inside a node, InfiniBand across.
 DEFAULT_LINKS_GBPS = {"intra_node": 100.0, "inter_node": 10.0}
 _RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1,
-                "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1}
+                "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1,
+                "all_to_all": lambda n: (n - 1) / n}  # the share a rank keeps for itself stays (even split)
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ class CommunicationLedger:
 
     def totals(self, stage: int) -> dict[str, dict[str, float]]:
         """Per group: calls, payload bytes and bytes sent per step by one rank of `stage`."""
-        result = {group: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0} for group in GROUPS}
+        result = {group: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0} for group in self.group_sizes}
         for transfer in self.stages[stage]:
             total = result[transfer.group]
             total["calls"] += transfer.count
@@ -135,7 +137,7 @@ class CommunicationLedger:
         alpha-beta model: calls x latency + sent bytes / bandwidth; latency 0 where not given), and the
         part overlap can hide."""
         result = {}
-        for group in GROUPS:
+        for group in self.group_sizes:
             size, per_call = self.group_sizes[group], (latency or {}).get(group, 0.0)
 
             def cost(transfer: Transfer, size: int = size, per_call: float = per_call, group: str = group) -> float:
@@ -220,6 +222,12 @@ def _zero_transfers(trained: list[tuple[tuple[int, ...], int | None]], dp: int, 
     return transfers
 
 
+def activation_bytes(precision: str) -> tuple[int, int]:
+    """(bytes of an autocast output, bytes of the residual stream and its gradients) under `precision`
+    (module docstring: "Element sizes")."""
+    return (2 if precision != "32-true" else 4), (2 if precision == "bf16-true" else 4)
+
+
 def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: TrainingOptions,
                          backend: str = "nccl") -> CommunicationLedger:
     """Per-step transfers of one rank of every pipeline stage (see the module docstring)."""
@@ -228,9 +236,7 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
     h = config.hidden_size
     passes = layout.gradient_accumulation_steps * layout.num_microbatches
     tokens = layout.micro_batch_size * options.seq_len
-    sixteen_bit = options.precision != "32-true"
-    low = 2 if sixteen_bit else 4  # autocast outputs
-    stream = 2 if options.precision == "bf16-true" else 4  # residual stream, its gradients, fp32 master grads
+    low, stream = activation_bytes(options.precision)
     layer_shapes = [_local_shape(weight, config, tp) for weight in LAYER_WEIGHTS]
     # what trains, (local shape, tp's split dim): every weight, or a LoRA fine-tune's factors alone
     lora = lora_layer_shapes(config, tp, options.lora_rank, tuple(options.lora_targets))
@@ -308,9 +314,12 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
 
 def groups_inside_a_node(layout: ParallelLayout, gpus_per_node: int) -> dict[str, bool]:
     """Whether each group's ranks share a node. Ranks are numbered over the ("pp", "dp", "tp") mesh with tp
-    innermost, so a tp group spans t consecutive ranks, a dp group t d, a pp group the whole world."""
+    innermost, so a tp group spans t consecutive ranks, a dp group t d, a pp group the whole world, and an
+    expert-parallel group (with E > 1) t E (E consecutive dp indices)."""
     tp, dp = layout.tensor_parallel_size, layout.data_parallel_size
     spans = {"tp": tp, "dp": tp * dp, "pp": layout.world_size}
+    if layout.expert_parallel_size > 1:
+        spans[EXPERT_GROUP] = tp * layout.expert_parallel_size
     return {group: span <= gpus_per_node and gpus_per_node % span == 0 for group, span in spans.items()}
 
 
@@ -320,4 +329,4 @@ def group_bandwidths(layout: ParallelLayout, gpus_per_node: int, links_gbps: dic
     links = {**DEFAULT_LINKS_GBPS, **(links_gbps or {})}
     inside = groups_inside_a_node(layout, gpus_per_node)
     return {group: 1e9 * (given_gbps or {}).get(group, links["intra_node" if inside[group] else "inter_node"])
-            for group in GROUPS}
+            for group in inside}

@@ -35,15 +35,26 @@ Expert parallelism over E ranks (`parallel.experts`) holds E_r / E of each block
 so 2 T K h + 2 R h activation elements per rank, 4 E T K h over the group, plus the counts. Of each
 payload, the share a rank keeps for itself does not cross a link: (E - 1) / E of it does when the
 routing is uniform.
+
+Per step (`expert_ledger`, the "ep" group of `tp3d plan`): each rank of a stage runs these five
+all-to-alls for each of the stage's MoE blocks and each of its k m micro-batches of T = b s tokens, with
+R = T K (uniform routing; over an ep group the sum is exact whatever the routing). The dispatch and its
+backward carry the residual stream's dtype, the combine and its backward the experts' outputs (autocast:
+16-bit; `plan.communication.activation_bytes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["MOE_PRESETS", "ExpertExchange", "MoEModelConfig"]
+from lightning_tp3d.plan.communication import EXPERT_GROUP, CommunicationLedger, Transfer, activation_bytes
+from lightning_tp3d.plan.layout import ParallelLayout
+
+__all__ = ["MOE_PRESETS", "ExpertExchange", "MoEModelConfig", "expert_ledger", "resolve_moe_config"]
 
 
 @dataclass(frozen=True)
@@ -159,3 +170,37 @@ MOE_PRESETS: dict[str, MoEModelConfig] = {
         num_experts_per_tok=6, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
 }
+
+
+def resolve_moe_config(name_or_path: str | Path) -> MoEModelConfig | None:
+    """A preset of `MOE_PRESETS`, or a DeepSeek `config.json` (a path, or the folder holding it, whose
+    config has routed experts); None for anything else."""
+    if str(name_or_path) in MOE_PRESETS:
+        return MOE_PRESETS[str(name_or_path)]
+    path = Path(name_or_path)
+    path = path / "config.json" if path.is_dir() else path
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    values = json.loads(path.read_text())
+    return MoEModelConfig.from_dict(values) if "n_routed_experts" in values else None
+
+
+def expert_ledger(config: MoEModelConfig, layout: ParallelLayout, seq_len: int, precision: str
+                  ) -> CommunicationLedger:
+    """Per pipeline stage, the all-to-alls one rank issues over its expert-parallel group in a step (module
+    docstring), as a `CommunicationLedger` of the one group "ep"."""
+    experts = layout.expert_parallel_size
+    config.routed_expert_parameters_per_rank(experts)  # E divides the experts
+    passes = layout.gradient_accumulation_steps * layout.num_microbatches
+    exchange = config.expert_exchange(layout.micro_batch_size * seq_len, experts)
+    low, stream = activation_bytes(precision)
+    stages = []
+    for layers in layout.stage_layer_ranges(config.num_hidden_layers):
+        calls = passes * sum(layer >= config.first_k_dense_replace for layer in layers)
+        stages.append([] if not calls or experts == 1 else [
+            Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.counts, 8, "expert counts, forward"),
+            Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, stream, "dispatch, forward"),
+            Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, low, "combine, forward"),
+            Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, low, "combine's backward"),
+            Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, stream, "dispatch's backward")])
+    return CommunicationLedger({EXPERT_GROUP: experts}, stages)

@@ -40,6 +40,23 @@ def test_plan_refuses_bad_layout_with_one_line(capsys):
     assert "Unknown model 'no-such-model'" in capsys.readouterr().err
 
 
+def test_plan_of_a_mixture_of_experts_model_prints_the_expert_all_to_alls(capsys):
+    """`plan.moe`'s figures through the command line (hand-checked in tests/plan/test_moe.py); --ep on a dense
+    model is refused."""
+    arguments = ["plan", "deepseek-v3", "--tp", "8", "--pp", "16", "--dp", "64", "--ep", "8", "--num-microbatches",
+                 "32", "--precision", "bf16-mixed"]
+    assert main([*arguments, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["routed_expert_parameters_per_rank"] == 10_217_324_544 * 8
+    stages = report["expert_communication"]["stages"]
+    assert stages[0]["per_group"]["ep"]["calls"] == 0 and stages[15]["per_group"]["ep"]["calls"] == 32 * 3 * 5
+    assert main(arguments) == 0
+    out = capsys.readouterr().out
+    assert "671.0e9 parameters, 36.6e9 active" in out and "32 of each block's 256 routed experts" in out
+    assert main(["plan", "deepseek-llm-7b", "--ep", "2"]) == 2
+    assert "--ep 2 splits routed experts, but deepseek-llm-7b has none" in capsys.readouterr().err
+
+
 def test_plan_serve_prints_the_plan_and_the_vllm_commands(capsys):
     assert main(["plan", "deepseek-llm-67b", "--serve", "--gpu-memory", "80GiB", "--max-model-len", "4096",
                  "--deploy-tp", "1", "4", "8"]) == 0

@@ -42,7 +42,8 @@ from lightning_tp3d.models.deepseek import DeepseekV3Adapter, deepseek_v3_tp_pla
 from lightning_tp3d.models.families import resolve_model_adapter
 from lightning_tp3d.parallel.experts import is_expert_parameter
 from lightning_tp3d.parallel.tensor import SharedAcrossHeads, local_part
-from lightning_tp3d.plan.moe import MoEModelConfig
+from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.plan.moe import MoEModelConfig, expert_ledger
 from tests.distributed import results_by_name
 from tests.helpers import (
     LEARNING_RATE,
@@ -294,7 +295,8 @@ def test_the_all_to_all_traffic_is_the_ledgers(world_results, name):
     """One step's all-to-alls over "ep" against `MoEModelConfig.expert_exchange` at two layouts, exactly:
     per MoE block on every rank one exchange of the 4 expert counts (int64) and two of its T K h choices
     (the dispatch, the combine's backward); the rest, what the routing sent each rank (twice: the combine,
-    the dispatch's backward), sums to E T K h per block over each ep group."""
+    the dispatch's backward), sums to E T K h per block over each ep group; and the step's calls and bytes
+    equal `expert_ledger`'s (`tp3d plan`), per rank and summed over each group."""
     run = RUNS[name]
     tp, experts = run["tp"], run["experts"]
     dp = len(world_results[name]) // tp
@@ -302,6 +304,7 @@ def test_the_all_to_all_traffic_is_the_ledgers(world_results, name):
     exchange = config.expert_exchange(tokens=GLOBAL_BATCH // dp * SEQ_LEN, expert_parallel_size=experts)
     blocks = config.moe_layers
     returned: dict[tuple[int, int], int] = {}
+    step_bytes: dict[tuple[int, int], int] = {}
     for rank, result in enumerate(world_results[name]):
         ep_traffic = {key: calls for key, calls in result["expert_traffic"].items() if key[0] == "ep"}
         assert ep_traffic.pop(("ep", "all_to_all", exchange.counts, 8), 0) == blocks, (rank, ep_traffic)
@@ -311,7 +314,17 @@ def test_the_all_to_all_traffic_is_the_ledgers(world_results, name):
         group = (rank % tp, rank // tp // experts)  # (tp, edp): the ranks of one ep group
         total = sum(elements * calls for elements, calls in float_payloads)
         returned[group] = returned.get(group, 0) + total - 2 * blocks * exchange.dispatch
+        step_bytes[group] = step_bytes.get(group, 0) + 8 * blocks * exchange.counts + 4 * total
     assert set(returned.values()) == {2 * blocks * exchange.returned_in_group}, returned
+    # the step's ledger (`tp3d plan`'s "ep" rows): 5 calls per block on every rank, and its uniform-routing
+    # payload times E is each group's measured sum, exactly (the routing only moves rows within a group)
+    layout = ParallelLayout(tensor_parallel_size=tp, data_parallel_size=dp, micro_batch_size=GLOBAL_BATCH // dp,
+                            expert_parallel_size=experts)
+    ledger = expert_ledger(config, layout, SEQ_LEN, "32-true").totals(0)["ep"]
+    assert ledger["calls"] == 5 * blocks
+    assert all(sum(result["expert_traffic"][key] for key in result["expert_traffic"] if key[0] == "ep")
+               == ledger["calls"] for result in world_results[name])
+    assert set(step_bytes.values()) == {experts * ledger["payload_bytes"]}, (step_bytes, ledger)
 
 
 @pytest.mark.distributed

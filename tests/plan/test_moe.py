@@ -5,9 +5,12 @@ from the published config.json files and against the published totals.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from lightning_tp3d.plan.moe import MOE_PRESETS, MoEModelConfig
+from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.plan.moe import MOE_PRESETS, MoEModelConfig, expert_ledger, resolve_moe_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,3 +72,29 @@ def test_expert_parallelism_per_rank_and_its_all_to_all_payloads():
     assert (exchange.counts, exchange.dispatch, exchange.returned_in_group) == (256, 234_881_024, 15_032_385_536)
     with pytest.raises(ValueError, match="expert_parallel_size=3 does not divide the 256 routed experts"):
         v3.routed_expert_parameters_per_rank(3)
+
+
+def test_the_expert_ledger_counts_five_all_to_alls_per_moe_block_and_micro_batch():
+    """DeepSeek-V3 at tp 8, pp 16, dp 64, E = 8, 32 micro-batches of 4096 tokens, bf16-mixed, by hand: the
+    63 units (61 blocks, embedding, head) split 3 + 4 x 14 + 3, so stage 0 holds the 3 dense blocks (no
+    all-to-all) and stage 15 three MoE blocks: 32 x 3 x 5 calls; per block and micro-batch 256 int64 counts,
+    234,881,024 elements dispatched and returned in fp32 (the residual stream) and combined and returned in
+    bf16 (autocast outputs); 7/8 of each crosses a link with uniform routing."""
+    layout = ParallelLayout(tensor_parallel_size=8, pipeline_parallel_size=16, data_parallel_size=64,
+                            num_microbatches=32, expert_parallel_size=8)
+    ledger = expert_ledger(MOE_PRESETS["deepseek-v3"], layout, 4096, "bf16-mixed")
+    assert ledger.totals(0)["ep"]["calls"] == 0 and ledger.group_sizes == {"ep": 8}
+    last = ledger.totals(15)["ep"]
+    per_block = 256 * 8 + 234_881_024 * (4 + 2 + 2 + 4)
+    assert last["calls"] == 32 * 3 * 5 and last["payload_bytes"] == 32 * 3 * per_block
+    assert last["sent_bytes"] == pytest.approx(7 / 8 * last["payload_bytes"])
+    assert expert_ledger(MOE_PRESETS["deepseek-v3"], layout.__class__(data_parallel_size=64), 4096,
+                         "32-true").totals(0)["ep"]["calls"] == 0  # E = 1: no exchange
+
+
+def test_a_deepseek_config_json_is_read_as_a_mixture_of_experts_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY | {"model_type": "deepseek_v3", "rope_theta": 1e4}))
+    assert resolve_moe_config(tmp_path) == MoEModelConfig.from_dict(TINY)
+    assert resolve_moe_config("deepseek-v2-lite") is MOE_PRESETS["deepseek-v2-lite"]
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 256, "hidden_size": 64}))
+    assert resolve_moe_config(tmp_path) is None and resolve_moe_config("deepseek-llm-7b") is None
