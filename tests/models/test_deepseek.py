@@ -15,7 +15,8 @@ Expert parallelism (`expert_parallel_size=2`, `parallel.experts`) runs the same 
 with FSDP2 at (1, 2, 2) 1F1B (one replica: the experts outside the units) and (1, 1, 4) (each expert
 group's experts sharded over its two replicas), and with ZeRO-1 at (1, 1, 4); its (1, 2, 2) checkpoint
 resumes exactly without it at (2, 1, 2) and exports whole experts, the (1, 1, 4) FSDP2 one with the
-experts over 4 ranks, the (1, 1, 4) ZeRO-1 one at (1, 2, 2) with FSDP2; one step's
+experts over 4 ranks, the (1, 1, 4) ZeRO-1 one at (1, 2, 2) with FSDP2; a Fabric loop at (1, 2, 2)
+1F1B with E = 2 equals one process as the Trainer does; one step's
 all-to-all payloads equal the ledger's (`plan.moe`) at two layouts; and the experts module alone, with
 every token routed to one rank's experts, equals transformers' (outputs and gradients).
 """
@@ -31,8 +32,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader
 
-from lightning_tp3d import TP3DStrategy
+from lightning_tp3d import TP3DFabricStrategy, TP3DStrategy
 from lightning_tp3d.callbacks import ConsistencyCheck
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.diagnostics.traffic import TrafficRecorder
@@ -51,6 +53,7 @@ from tests.helpers import (
     CaptureGradients,
     MemoryLogger,
     assert_ranks_match,
+    named_full,
     reference_run,
     trainer_kwargs,
     world_size,
@@ -162,11 +165,42 @@ def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool =
             "experts_held": held, "expert_traffic": traffic.transfers()}
 
 
+FABRIC_RUN = "fabric-tp1-pp2-dp2-ep2-1f1b-replicate"
+
+
+def _fabric_fit(tp: int, pp: int, experts: int) -> dict[str, Any]:
+    """The module's model and optimizer in a Fabric loop (`TP3DFabricStrategy(expert_parallel_size=...)`):
+    the loss is the model's own, the logged loss its mean over the dp ranks."""
+    dp = world_size() // (tp * pp)
+    strategy = TP3DFabricStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
+                                  expert_parallel_size=experts)
+    fabric = L.Fabric(accelerator="cpu", devices=world_size(), strategy=strategy)
+    fabric.launch()
+    model = fabric.setup(deepseek_network())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95),
+                                                          weight_decay=0.0))
+    data = TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp, val_fraction=0.2)
+    data.setup()
+    loader = fabric.setup_dataloaders(DataLoader(data.train_dataset, batch_size=GLOBAL_BATCH // dp, shuffle=True))
+    losses, first_grads = [], None
+    for _, batch in zip(range(STEPS), loader):
+        loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        fabric.backward(loss)
+        first_grads = first_grads or named_full(model, "grad", prefix="_forward_module.")
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach()).item())
+    return {"losses": losses, "first_grads": first_grads}
+
+
 def run_world(size: int, directory: str) -> dict[str, Any]:
-    """The runs of this world size (4, or 8 for the (2, 2, 2) one), and the skewed routing check at 4."""
+    """The runs of this world size (4, or 8 for the (2, 2, 2) one); at 4 also the Fabric loop with expert
+    parallelism and the skewed routing check."""
     results = {name: _fit(Path(directory), name, **configuration) for name, configuration in (RUNS | RESUME).items()
                if configuration.get("world", 4) == size}
-    return results | ({"skewed-routing": _skewed_routing()} if size == 4 else {})
+    if size != 4:
+        return results
+    return results | {FABRIC_RUN: _fabric_fit(tp=1, pp=2, experts=2), "skewed-routing": _skewed_routing()}
 
 
 def _skewed_routing() -> dict[str, Any]:
@@ -226,6 +260,15 @@ def test_deepseek_v3_matches_single_process_at_every_layout(world_results, name)
     covered = assert_ranks_match(name, world_results[name], reference, RTOL, ATOL)
     assert covered == reference["first_grads"].keys(), f"{name}: the ranks' stages do not cover the model"
     assert reference["losses"][-1] < reference["losses"][0], "the reference itself must learn"
+
+
+@pytest.mark.distributed
+def test_a_fabric_loop_with_expert_parallelism_matches_single_process(world_results):
+    """Fabric at (1, 2, 2) 1F1B with the experts over 2 ranks: 5 steps' losses and every gradient of the
+    first, on every rank, equal one process's (the strategy core is the Trainer's; this is its Fabric path)."""
+    reference = reference_run(STEPS, GLOBAL_BATCH, build_network=deepseek_network, loss_of=_loss)
+    covered = assert_ranks_match(FABRIC_RUN, world_results[FABRIC_RUN], reference, RTOL, ATOL)
+    assert covered == reference["first_grads"].keys()
 
 
 @pytest.mark.distributed
