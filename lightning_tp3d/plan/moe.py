@@ -52,9 +52,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_tp3d.plan.communication import EXPERT_GROUP, CommunicationLedger, Transfer, activation_bytes
+from lightning_tp3d.plan.data_parallel import choose_data_parallel
 from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.plan.ledger import PRECISIONS
 
-__all__ = ["MOE_PRESETS", "ExpertExchange", "MoEModelConfig", "expert_ledger", "resolve_moe_config"]
+__all__ = ["MOE_PRESETS", "ExpertExchange", "ExpertStageMemory", "MoEModelConfig", "expert_ledger",
+           "expert_model_memory", "resolve_moe_config"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,24 @@ class MoEModelConfig:
         head = 0 if self.tie_word_embeddings else embedding
         return (embedding * input_embedding + self.first_k_dense_replace * dense + self.moe_layers * moe + h
                 + head)
+
+    def block_parameters_per_rank(self, layer: int, tensor_parallel_size: int, expert_parallel_size: int
+                                  ) -> tuple[int, int]:
+        """(parameters, routed-expert parameters) of block `layer` on one rank, split as `models.deepseek`'s
+        plan splits them: the head-wise projections (`q_b_proj` or `q_proj`, `kv_b_proj`, `o_proj`), the
+        dense MLP and the shared experts over tp; the latents (`q_a_proj`, `kv_a_proj_with_mqa`), their norms,
+        the block's norms and the router replicated; the routed experts over E, whole over tp."""
+        h, a, r_kv, t = self.hidden_size, self.num_attention_heads, self.kv_lora_rank, tensor_parallel_size
+        query_width = a * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        replicated = 0 if self.q_lora_rank is None else (h + 1) * self.q_lora_rank
+        split = h * query_width if self.q_lora_rank is None else self.q_lora_rank * query_width
+        replicated += h * (r_kv + self.qk_rope_head_dim) + r_kv + 2 * h
+        split += r_kv * a * (self.qk_nope_head_dim + self.v_head_dim) + a * self.v_head_dim * h
+        if layer < self.first_k_dense_replace:
+            return replicated + (split + 3 * h * self.intermediate_size) // t, 0
+        split += self.n_shared_experts * self.expert_parameters()
+        replicated += self.n_routed_experts * h
+        return replicated + split // t, self.routed_expert_parameters_per_rank(expert_parallel_size) // self.moe_layers
 
     def num_parameters(self) -> int:
         """Every parameter (see the module docstring)."""
@@ -204,3 +225,51 @@ def expert_ledger(config: MoEModelConfig, layout: ParallelLayout, seq_len: int, 
             Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, low, "combine's backward"),
             Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, stream, "dispatch's backward")])
     return CommunicationLedger({EXPERT_GROUP: experts}, stages)
+
+
+@dataclass(frozen=True)
+class ExpertStageMemory:
+    """One rank of a pipeline stage: its parameters (the routed experts apart) and the bytes of weights,
+    gradients and optimizer state they take under the data-parallel mode (`expert_model_memory`)."""
+
+    stage: int
+    layers: range
+    parameters: int  # per rank: split over tp, not over dp
+    expert_parameters: int  # the routed experts a rank holds: split over E, not over their replicas
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+def expert_model_memory(config: MoEModelConfig, layout: ParallelLayout, precision: str, data_parallel_mode: str
+                        ) -> list[ExpertStageMemory]:
+    """Per pipeline stage, one rank's weights, gradients and optimizer state (bytes per parameter from
+    `plan.ledger.PRECISIONS`): "replicate" holds them whole; "zero1" cuts the optimizer state over dp (the
+    experts' over their d = dp / E replicas); "fsdp" cuts all three so (FSDP2's gathered units and the
+    activations are not counted)."""
+    tp, dp, experts = layout.tensor_parallel_size, layout.data_parallel_size, layout.expert_parallel_size
+    replicas = dp // experts
+    plan = choose_data_parallel(data_parallel_mode, dp, layout.pipeline_parallel_size)
+    weight, gradient, optimizer, _ = PRECISIONS[precision]
+    h, vocab_split = config.hidden_size, config.vocab_size * config.hidden_size // tp
+    ranges = layout.stage_layer_ranges(config.num_hidden_layers)
+    stages = []
+    for stage, layers in enumerate(ranges):
+        split = [config.block_parameters_per_rank(layer, tp, experts) for layer in layers]
+        parameters = sum(dense for dense, _ in split) + (vocab_split if stage == 0 else 0)
+        if stage == len(ranges) - 1:
+            parameters += h + (0 if config.tie_word_embeddings and stage == 0 else vocab_split)
+        routed = sum(expert for _, expert in split)
+
+        def held(shards: int, parameters: int = parameters, routed: int = routed) -> int:
+            """Elements a rank keeps of both when the others are cut into `shards` (dp, or none)."""
+            return -(-parameters // shards) + -(-routed // (replicas if shards > 1 else 1))
+
+        stages.append(ExpertStageMemory(
+            stage, layers, parameters, routed, held(plan.parameter_shards) * weight,
+            held(plan.parameter_shards) * gradient, held(plan.optimizer_shards) * optimizer))
+    return stages

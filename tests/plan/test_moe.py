@@ -5,12 +5,19 @@ from the published config.json files and against the published totals.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 
 import pytest
 
 from lightning_tp3d.plan.layout import ParallelLayout
-from lightning_tp3d.plan.moe import MOE_PRESETS, MoEModelConfig, expert_ledger, resolve_moe_config
+from lightning_tp3d.plan.moe import (
+    MOE_PRESETS,
+    MoEModelConfig,
+    expert_ledger,
+    expert_model_memory,
+    resolve_moe_config,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,8 +83,8 @@ def test_expert_parallelism_per_rank_and_its_all_to_all_payloads():
 
 def test_the_expert_ledger_counts_five_all_to_alls_per_moe_block_and_micro_batch():
     """DeepSeek-V3 at tp 8, pp 16, dp 64, E = 8, 32 micro-batches of 4096 tokens, bf16-mixed, by hand: the
-    63 units (61 blocks, embedding, head) split 3 + 4 x 14 + 3, so stage 0 holds the 3 dense blocks (no
-    all-to-all) and stage 15 three MoE blocks: 32 x 3 x 5 calls; per block and micro-batch 256 int64 counts,
+    63 units (61 blocks, embedding, head) split 3 + 4 x 14 + 3, so stage 0 holds 2 of the 3 dense blocks
+    (no all-to-all) and stage 15 three MoE blocks: 32 x 3 x 5 calls; per block and micro-batch 256 int64 counts,
     234,881,024 elements dispatched and returned in fp32 (the residual stream) and combined and returned in
     bf16 (autocast outputs); 7/8 of each crosses a link with uniform routing."""
     layout = ParallelLayout(tensor_parallel_size=8, pipeline_parallel_size=16, data_parallel_size=64,
@@ -98,3 +105,48 @@ def test_a_deepseek_config_json_is_read_as_a_mixture_of_experts_model(tmp_path):
     assert resolve_moe_config("deepseek-v2-lite") is MOE_PRESETS["deepseek-v2-lite"]
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 256, "hidden_size": 64}))
     assert resolve_moe_config(tmp_path) is None and resolve_moe_config("deepseek-llm-7b") is None
+
+
+@pytest.mark.parametrize("changes", [{}, dict(q_lora_rank=None, n_shared_experts=2)])
+def test_each_blocks_share_per_rank_follows_the_deepseek_tp_plan(changes):
+    """Every parameter of a transformers DeepseekV3ForCausalLM, divided by tp where `models.deepseek`'s plan
+    splits its module (column, row parallel; `SharedAcrossHeads` keeps it whole) and by E for the routed
+    experts: per block, the formula's split at tp 2, E 2."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_tp3d.models.families import resolve_model_adapter
+
+    config = transformers.DeepseekV3Config(**(TINY | changes))
+    network = transformers.DeepseekV3ForCausalLM(config)
+    plan = resolve_model_adapter(network).tp_plan()
+    shape = MoEModelConfig.from_dict(config.to_dict())
+    for layer, block in enumerate(network.model.layers):
+        held, experts = 0, 0
+        for name, parameter in block.named_parameters():
+            module = f"model.layers.{layer}.{name.rpartition('.')[0]}"
+            styles = [style for pattern, style in plan.items() if fnmatch.fnmatchcase(module, pattern)]
+            if ".experts." in f".{name}":
+                experts += parameter.numel() // 2
+            elif any(isinstance(style, ColwiseParallel | RowwiseParallel) for style in styles):
+                held += parameter.numel() // 2
+            else:
+                held += parameter.numel()
+        assert shape.block_parameters_per_rank(layer, 2, 2) == (held, experts), layer
+
+
+def test_the_memory_per_rank_adds_up_to_the_model_and_shards_as_each_mode_says():
+    """At tp 1, pp 1, dp 1 a rank holds the whole model; at dp 4 with E = 2 (two replicas of each expert
+    group) FSDP2 cuts the non-expert parameters 4 ways and the experts 2 ways, ZeRO-1 only their optimizer
+    state (fp32: 4 + 4 + 8 bytes per parameter)."""
+    shape = MoEModelConfig.from_dict(TINY)
+    (whole,) = expert_model_memory(shape, ParallelLayout(), "32-true", "replicate")
+    assert whole.parameters + whole.expert_parameters == shape.num_parameters()
+    assert (whole.weight_bytes, whole.gradient_bytes, whole.optimizer_bytes) == tuple(
+        size * shape.num_parameters() for size in (4, 4, 8))
+    layout = ParallelLayout(data_parallel_size=4, expert_parallel_size=2)
+    (fsdp,) = expert_model_memory(shape, layout, "32-true", "fsdp")
+    (zero1,) = expert_model_memory(shape, layout, "32-true", "zero1")
+    assert fsdp.expert_parameters == shape.routed_expert_parameters() // 2
+    cut = -(-fsdp.parameters // 4) + -(-fsdp.expert_parameters // 2)
+    assert (fsdp.weight_bytes, fsdp.gradient_bytes, fsdp.optimizer_bytes) == (4 * cut, 4 * cut, 8 * cut)
+    assert (zero1.weight_bytes, zero1.optimizer_bytes) == (4 * (zero1.parameters + zero1.expert_parameters), 8 * cut)
