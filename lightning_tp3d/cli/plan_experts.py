@@ -25,6 +25,7 @@ def run_moe_plan(args: argparse.Namespace, config: MoEModelConfig, seq_len: int)
     """A DeepSeek-V2 / V3 mixture-of-experts model: its parameters, each stage's weights, gradients and
     optimizer state per rank, and the expert-parallel all-to-alls (`plan.moe`); its activations and tp / pp
     / dp traffic are not computed yet (the dense ledgers are Llama-shaped)."""
+    _refuse_what_is_not_planned(args)
     layout = ParallelLayout(
         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches or args.pp,
@@ -66,3 +67,15 @@ def run_moe_plan(args: argparse.Namespace, config: MoEModelConfig, seq_len: int)
     print("not computed yet for mixture-of-experts models: activations and gathered FSDP2 units in memory, the"
           " tp / pp / dp traffic, the layout advisor")
     return 0
+
+
+def _refuse_what_is_not_planned(args: argparse.Namespace) -> None:
+    """The flags whose figures this plan does not compute for a mixture-of-experts model yet: refused,
+    rather than a plan that silently ignores them."""
+    asked = {"--serve": args.serve, "--gpus (the advisor)": args.gpus is not None, "--plot": args.plot is not None,
+             "--lora-rank / --qlora": bool(args.lora_rank) or args.qlora, "--recompute": args.recompute != "none",
+             f"--schedule {args.schedule}": args.schedule not in ("1f1b", "gpipe")}
+    refused = [flag for flag, given in asked.items() if given]
+    if refused:
+        raise ValueError(f"{', '.join(refused)} with a mixture-of-experts model is not planned yet; plan it without"
+                         " (one pipeline stage per rank: --schedule 1f1b or gpipe).")
