@@ -5,8 +5,9 @@ The module below is what a Lightning project holds (`self.model = LlamaForCausal
 compared with the same module trained by a plain single-process PyTorch loop on the same samples: the
 losses of 5 steps and every gradient each rank holds after step 1, per tensor (rtol 1e-5, atol 1e-7, fp32).
 Two mixture-of-experts families run as they are (`models.moe`): Qwen3-MoE (a dense first block, then MoE
-blocks of 4 routed experts, 2 per token) at (2, 1, 2) with its experts over 2 ranks, exported and loaded
-by transformers with the live logits, and Mixtral at (1, 2, 2) 1F1B with FSDP2 and its experts over 2 ranks.
+blocks of 4 routed experts, 2 per token) at (2, 1, 2) with its experts over 2 ranks, replicated (exported
+and loaded by transformers with the live logits) and with FSDP2 (its per-head q / k norms' gradients summed
+over tp either way), and Mixtral at (1, 2, 2) 1F1B with FSDP2 and its experts over 2 ranks.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {
                                                                    from_pretrained="shards"),
         "qwen3moe-tp2-pp1-dp2-ep2-replicate": dict(architecture="qwen3_moe", tp=2, pp=1, mode="replicate", experts=2,
                                                    export=True),
+        "qwen3moe-tp2-pp1-dp2-ep2-fsdp": dict(architecture="qwen3_moe", tp=2, pp=1, mode="fsdp", experts=2),
         "mixtral-tp1-pp2-dp2-ep2-1f1b-fsdp": dict(architecture="mixtral", tp=1, pp=2, mode="fsdp", experts=2)},
 }
 # The (1, 2, 2) FSDP run saves after STEPS steps; this run resumes it at (2, 1, 2) for RESUMED_STEPS more.
