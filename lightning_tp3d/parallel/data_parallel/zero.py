@@ -26,9 +26,10 @@ the reduce-scatter sums an expert's gradient over edp and divides by dp = d x E 
 has already summed it over ep), and the all-gather runs over edp.
 
 Only optimizers that update each element on its own (`ELEMENTWISE_OPTIMIZERS`) give the same update on
-parts as on the whole; others are refused. The optimizer's state dict is read and written through
-`state_module`, a module tree holding the parts under the parameters' names, so a checkpoint keys the
-state by parameter name with the parts' DTensor placements and loads at any layout or dp mode (DCP).
+parts as on the whole; others are refused. The optimizer's state dict is read and written through a
+module tree holding every sharding's parts under the parameters' names (`optimizer_owner`), so a
+checkpoint keys the state by parameter name with the parts' DTensor placements and loads at any layout
+or dp mode (DCP).
 """
 
 from __future__ import annotations
