@@ -65,6 +65,9 @@ class ExpertParallelExperts(nn.Module):
             shard = DTensor.from_local(local, mesh, (Replicate(), Shard(0)), run_check=False,
                                        shape=whole.shape, stride=whole.stride())
             setattr(self, name, nn.Parameter(shard, requires_grad=whole.requires_grad))
+        # DTensor may hand the parameters an equal mesh from its caches (an earlier one of the same layout);
+        # what shards them later (FSDP2's SPMD form) wants the very object they hold
+        self.mesh = self.gate_up_proj.device_mesh
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:

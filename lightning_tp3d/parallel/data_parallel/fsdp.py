@@ -55,12 +55,10 @@ def apply_fsdp(roots: Iterable[nn.Module], dp_mesh: DeviceMesh, blocks: Iterable
     ignored = _single_rank_extensions(roots) if dp_mesh.size() == 1 else set()
     for block in blocks:
         for experts in _expert_parallel_modules(block):
-            if not _shards_experts(experts):
+            if not _has_replicas(experts.mesh):
                 ignored |= set(experts.parameters())
                 continue
-            # the parameters' own mesh object: DTensor may give them an equal one from its caches (an earlier
-            # mesh of the same layout), and FSDP2's SPMD form wants the very object
-            fully_shard(experts, mesh=experts.gate_up_proj.device_mesh, reshard_after_forward=reshard_after_forward,
+            fully_shard(experts, mesh=experts.mesh, reshard_after_forward=reshard_after_forward,
                         dp_mesh_dims=DataParallelMeshDims(shard=EXPERT_DATA_PARALLEL_DIMS))
             experts.set_gradient_divide_factor(float(dp_mesh.size()))
             experts.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no PREMUL_SUM)
@@ -74,9 +72,10 @@ def _expert_parallel_modules(block: nn.Module) -> list[ExpertParallelExperts]:
     return [module for module in block.modules() if isinstance(module, ExpertParallelExperts)]
 
 
-def _shards_experts(experts: ExpertParallelExperts) -> bool:
-    """Whether FSDP2 shards `experts` over their replicas: only if there is more than one (module docstring)."""
-    return experts.mesh.size(0) > 1
+def _has_replicas(expert_mesh: DeviceMesh) -> bool:
+    """Whether experts over the ("edp", "ep") `expert_mesh` have more than one replica, which FSDP2 shards
+    them over (else they stay outside the units: module docstring)."""
+    return expert_mesh.size(0) > 1
 
 
 def _single_rank_extensions(roots: Iterable[nn.Module]) -> set[nn.Parameter]:
@@ -96,6 +95,6 @@ class FullyShard(DataParallel):
         divided by dp here."""
         parameters = super().reduce_gradients(parameters)
         reduce_expert_gradients([parameter for parameter in parameters
-                                 if is_expert_parameter(parameter) and parameter.device_mesh.size(0) == 1],
+                                 if is_expert_parameter(parameter) and not _has_replicas(parameter.device_mesh)],
                                 self.plan.data_parallel_size)
         return parameters
