@@ -22,6 +22,7 @@ Example usage::
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -41,6 +42,7 @@ from lightning_tp3d.io.hf import (
     hf_config_for,
     write_safetensors,
 )
+from lightning_tp3d.io.hub_names import HubNames
 from lightning_tp3d.io.lora import LoraMerge, adapter_config, adapter_entries
 from lightning_tp3d.io.storage import location
 from lightning_tp3d.plan.config import ModelConfig
@@ -144,10 +146,12 @@ def _write_merged(output: Path, meta: CheckpointMeta, shapes: dict[str, tuple[in
             " it was not saved from a network with Hugging Face Llama names."
         )
     extra = shapes.keys() - set(required)  # e.g. Qwen2's q/k/v biases
-    names = required + [name for name in shapes if name in extra]
-    return _write_hf_folder(output, hf_config_for(meta.model_config, EXPORT_DTYPES[dtype]),
-                            [(name, shapes[name]) for name in names], load, EXPORT_DTYPES[dtype],
-                            parse_size(max_shard_size))
+    entries = [(name, shapes[name]) for name in required + [name for name in shapes if name in extra]]
+    if exported_as_held(meta.model_config):  # a mixture of experts: the Hub's per-expert names, as vLLM reads
+        hub = HubNames(meta.model_config, entries)
+        entries, load = hub.entries, functools.partial(hub.load, load_held=load)
+    return _write_hf_folder(output, hf_config_for(meta.model_config, EXPORT_DTYPES[dtype]), entries, load,
+                            EXPORT_DTYPES[dtype], parse_size(max_shard_size))
 
 
 def _write_hf_folder(output: Path, config: dict[str, Any], entries: list[tuple[str, tuple[int, ...]]],

@@ -58,9 +58,9 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 
 
-# `transformers` model types whose tensors are not Llama's: exported under the names the checkpoint holds
-# (the model's own), every one of them, with no Llama names to check and no deploy shards (whose split
-# table is Llama's).
+# `transformers` model types whose tensors are not Llama's: exported under the names their checkpoints have
+# on the Hub (`io.hub_names`: the experts one tensor each, as `save_pretrained` writes them), every one of
+# them, with no Llama names to check and no deploy shards (whose split table is Llama's).
 EXPORTED_AS_HELD = ("deepseek_v3", "qwen3_moe", "mixtral")
 
 

@@ -91,15 +91,10 @@ def choose_data_parallel(mode: str, data_parallel_size: int, pipeline_parallel_s
     return DataParallelPlan(mode, data_parallel_size, reduction)
 
 
-def check_expert_parallel(expert_parallel_size: int, pipeline_parallel_size: int = 1,
-                          pipeline_schedule: str = "1f1b") -> None:
-    """`expert_parallel_size` is a positive integer (every data-parallel mode carries experts); under
-    pipelining with experts split, only the schedule tested with them (1F1B) is accepted for now."""
+def check_expert_parallel(expert_parallel_size: int) -> None:
+    """`expert_parallel_size` is a positive integer (every data-parallel mode and pipeline schedule carries
+    experts: the ranks of an expert-parallel group hold the same stages and run the same schedule, so they
+    issue their all-to-alls in the same order)."""
     if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
         raise ValueError(f"expert_parallel_size must be a positive integer, got {expert_parallel_size!r}.")
-    if expert_parallel_size > 1 and pipeline_parallel_size > 1 and pipeline_schedule != "1f1b":
-        raise ValueError(
-            f"expert_parallel_size={expert_parallel_size} with pipeline_schedule={pipeline_schedule!r} is not"
-            " supported yet (only 1F1B is tested with the experts' all-to-alls in a pipeline); use"
-            " pipeline_schedule='1f1b', or expert_parallel_size=1.")
 

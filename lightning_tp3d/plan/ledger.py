@@ -39,18 +39,12 @@ dim (a d = h), V vocab, L layers, t tp, s sequence length, b micro-batch.
   refused. The dequantised copy of the one weight being multiplied is a transient, not counted.
 * In-flight micro-batches: with 1F1B stage i holds min(m, pp - i) micro-batches' activations, with
   GPipe all m; without pipelining one.
-* Serving KV cache: 2 x L x k x d x bytes per token, split over the deploy tp size (kv heads are
-  replicated when tp exceeds k, as vLLM does).
-* Serving plan, per GPU at deploy tp N: the cache budget is memory x utilization - weights, and the
-  concurrent sequences of `max_model_len` tokens that fit are budget / (kv per token per GPU x
-  max_model_len). vLLM also keeps the peak activations of its profiling pass out of the cache, so this
-  is an upper bound.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from lightning_tp3d.plan.config import ModelConfig
@@ -65,17 +59,10 @@ from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, layer_para
 
 __all__ = [
     "PRECISIONS",
-    "DeployOption",
-    "ServingLedger",
     "StageLedger",
     "TrainingLedger",
     "TrainingOptions",
-    "ServePlan",
-    "deploy_options",
-    "deploy_problem",
-    "serving_plan",
     "training_flops_per_token",
-    "serving_ledger",
     "training_ledger",
 ]
 
@@ -86,7 +73,6 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     "16-mixed": (4, 4, 8, 2),
     "bf16-true": (2, 2, 4, 2),
 }
-_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -259,142 +245,3 @@ def training_ledger(config: ModelConfig, layout: ParallelLayout, options: Traini
             trainable_parameters=trainable if options.lora_rank else None,
         ))
     return TrainingLedger(config.num_parameters(), layout.to_dict(), asdict(options), stages)
-
-
-@dataclass(frozen=True)
-class DeployOption:
-    tensor_parallel_size: int
-    valid: bool
-    reason: str
-    weight_bytes_per_gpu: int = 0
-    kv_bytes_per_token_per_gpu: int = 0
-
-
-@dataclass(frozen=True)
-class ServingLedger:
-    dtype: str
-    seq_len: int
-    num_seqs: int
-    kv_bytes_per_token: int
-    kv_bytes_per_sequence: int
-    kv_bytes_total: int
-    options: list[DeployOption] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        values = asdict(self)
-        values["options"] = [asdict(option) for option in self.options]
-        return values
-
-
-def deploy_problem(config: ModelConfig, tp: int) -> str | None:
-    """Why a `tp`-way tensor-parallel server cannot split `config` (None: it can)."""
-    if config.num_attention_heads % tp:
-        return f"{tp} does not divide num_attention_heads={config.num_attention_heads}"
-    kv = config.num_key_value_heads
-    if kv % tp and tp % kv:
-        return f"{tp} neither divides nor is a multiple of num_key_value_heads={kv}"
-    if config.intermediate_size % tp:
-        return f"{tp} does not divide intermediate_size={config.intermediate_size}"
-    return None
-
-
-def deploy_options(config: ModelConfig, dtype_bytes: int, candidates: tuple[int, ...] = (1, 2, 4, 8, 16)):
-    """For each deploy tp size: valid or why not, weights and KV bytes per token on each GPU (PP merged)."""
-    options = []
-    h, d = config.hidden_size, config.head_dim
-    for tp in candidates:
-        problem = deploy_problem(config, tp)
-        if problem is not None:
-            options.append(DeployOption(tp, False, problem))
-            continue
-        kv_heads = max(1, config.num_key_value_heads // tp)
-        layer = (2 * h * config.num_attention_heads * d + 3 * h * config.intermediate_size) // tp
-        layer += 2 * h * kv_heads * d + 2 * h
-        vocab = config.vocab_size * h // tp * (1 if config.tie_word_embeddings else 2)
-        weights = (config.num_hidden_layers * layer + vocab + h) * dtype_bytes
-        kv_per_token = 2 * config.num_hidden_layers * kv_heads * d * dtype_bytes
-        options.append(DeployOption(tp, True, "ok", weights, kv_per_token))
-    return options
-
-
-def serving_ledger(config: ModelConfig, seq_len: int, num_seqs: int = 1, dtype: str = "bf16") -> ServingLedger:
-    """KV cache 2 x layers x kv_heads x head_dim x seq x seqs x bytes, and the deploy tp alignment."""
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPE_BYTES)}.")
-    if seq_len < 1 or num_seqs < 1:
-        raise LayoutError(f"serving seq_len and num_seqs must be positive, got {seq_len} and {num_seqs}.")
-    element = _DTYPE_BYTES[dtype]
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
-    return ServingLedger(
-        dtype=dtype, seq_len=seq_len, num_seqs=num_seqs, kv_bytes_per_token=per_token,
-        kv_bytes_per_sequence=per_token * seq_len, kv_bytes_total=per_token * seq_len * num_seqs,
-        options=deploy_options(config, element),
-    )
-
-
-@dataclass(frozen=True)
-class ServePlan:
-    """One deploy tensor-parallel size of a serving plan (bytes per GPU)."""
-
-    tensor_parallel_size: int
-    weight_bytes_per_gpu: int
-    kv_bytes_per_token_per_gpu: int
-    kv_bytes_per_sequence_per_gpu: int
-    kv_budget_bytes_per_gpu: int
-    max_num_seqs: int
-    vllm_command: str
-
-    @property
-    def fits(self) -> bool:
-        return self.max_num_seqs > 0
-
-
-def serving_plan(
-    config: ModelConfig,
-    model_path: str,
-    gpu_memory_bytes: int,
-    gpu_memory_utilization: float = 0.9,
-    max_model_len: int = 4096,
-    dtype: str = "bf16",
-    tensor_parallel_sizes: tuple[int, ...] | None = None,
-) -> list[ServePlan]:
-    """Weights, KV cache and concurrent sequences per GPU for each deploy tp size, with the vLLM command.
-
-    Without `tensor_parallel_sizes` every valid size of 1, 2, 4, 8, 16 is planned; a requested size the
-    model cannot be split into is refused with the reason.
-    """
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPE_BYTES)}.")
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
-    if max_model_len < 1 or gpu_memory_bytes < 1:
-        raise ValueError(f"max_model_len and the GPU memory must be positive, got {max_model_len} and"
-                         f" {gpu_memory_bytes}.")
-    if max_model_len > config.max_position_embeddings:
-        raise LayoutError(
-            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-            f"{config.max_position_embeddings}, which vLLM refuses; serve at most {config.max_position_embeddings}"
-            " tokens per sequence (or a model with longer positions)."
-        )
-    element = _DTYPE_BYTES[dtype]
-    if tensor_parallel_sizes is not None:
-        for tp in tensor_parallel_sizes:
-            problem = deploy_problem(config, tp)
-            if problem is not None:
-                raise LayoutError(f"deploy tensor_parallel_size={tp} is not valid for this model: {problem}.")
-    options = deploy_options(config, element, tuple(tensor_parallel_sizes or (1, 2, 4, 8, 16)))
-    vllm_dtype = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}.get(
-        dtype, "float32")
-    plans = []
-    for option in options:
-        if not option.valid:
-            continue
-        per_sequence = option.kv_bytes_per_token_per_gpu * max_model_len
-        budget = int(gpu_memory_bytes * gpu_memory_utilization) - option.weight_bytes_per_gpu
-        max_num_seqs = max(0, budget // per_sequence)
-        command = (f"vllm serve {model_path} --tensor-parallel-size {option.tensor_parallel_size} --dtype {vllm_dtype}"
-                   f" --gpu-memory-utilization {gpu_memory_utilization} --max-model-len {max_model_len}"
-                   f" --max-num-seqs {max_num_seqs}")
-        plans.append(ServePlan(option.tensor_parallel_size, option.weight_bytes_per_gpu,
-                               option.kv_bytes_per_token_per_gpu, per_sequence, budget, max_num_seqs, command))
-    return plans

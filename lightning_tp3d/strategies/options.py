@@ -180,7 +180,7 @@ class ParallelOptions:
                 " which training stops); turn the check off with skip_non_finite_steps=False."
             )
         check_recompute_options(self.recompute, self.recompute_method, self.recompute_num_layers)
-        check_expert_parallel(self.expert_parallel_size, self.pipeline_parallel_size, self.pipeline_schedule)
+        check_expert_parallel(self.expert_parallel_size)
         check_float8(self.float8, self.tensor_parallel_size)
         if self.pretrained is not None and not (self.pretrained / "config.json").is_file():
             raise FileNotFoundError(

@@ -11,7 +11,9 @@ after step 1, per tensor (rtol 1e-5, atol 1e-7, fp32: tp reorders the heads' and
 transformers loads with the live model's logits, and saves a checkpoint that resumes exactly at (1, 2, 2).
 
 Expert parallelism (`expert_parallel_size=2`, `parallel.experts`) runs the same comparison at (2, 1, 2),
-(1, 2, 2) 1F1B, (1, 1, 4) (two replicas of each expert group) and, in a world of 8, (2, 2, 2) 1F1B, and
+(1, 2, 2) 1F1B, (1, 1, 4) (two replicas of each expert group), in a world of 2 at (1, 1, 2), in a world of
+8 at (2, 2, 2) 1F1B, at (1, 2, 2) under each other pipeline schedule (GPipe, interleaved 1F1B, looped BFS,
+interleaved zero bubble, ZBV, DualPipeV, across the three data-parallel modes), and
 with FSDP2 at (1, 2, 2) 1F1B (one replica: the experts outside the units) and (1, 1, 4) (each expert
 group's experts sharded over its two replicas), and with ZeRO-1 at (1, 1, 4); its (1, 2, 2) checkpoint
 resumes exactly without it at (2, 1, 2) and exports whole experts, the (1, 1, 4) FSDP2 one with the
@@ -31,6 +33,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -128,6 +131,16 @@ RUNS = {
     "tp1-pp2-dp2-ep2-1f1b-fsdp": dict(tp=1, pp=2, mode="fsdp", experts=2),
     "tp1-pp1-dp4-ep2-fsdp": dict(tp=1, pp=1, mode="fsdp", experts=2, save=True),
     "tp1-pp1-dp4-ep2-zero1": dict(tp=1, pp=1, mode="zero1", experts=2, save=True),
+    "tp1-pp1-dp2-ep2-replicate": dict(tp=1, pp=1, mode="replicate", experts=2, world=2),
+    # every other pipeline schedule with the experts split, each in one data-parallel mode
+    "tp1-pp2-dp2-ep2-gpipe-replicate": dict(tp=1, pp=2, mode="replicate", experts=2, schedule="gpipe"),
+    "tp1-pp2-dp2-ep2-interleaved_1f1b-fsdp": dict(tp=1, pp=2, mode="fsdp", experts=2, schedule="interleaved_1f1b"),
+    "tp1-pp2-dp2-ep2-looped_bfs-zero1": dict(tp=1, pp=2, mode="zero1", experts=2, schedule="looped_bfs"),
+    "tp1-pp2-dp2-ep2-interleaved_zero_bubble-replicate": dict(tp=1, pp=2, mode="replicate", experts=2,
+                                                              schedule="interleaved_zero_bubble"),
+    "tp1-pp2-dp2-ep2-zbv_zero_bubble-fsdp": dict(tp=1, pp=2, mode="fsdp", experts=2, schedule="zbv_zero_bubble"),
+    "tp1-pp2-dp2-ep2-dualpipev-zero1": dict(tp=1, pp=2, mode="zero1", experts=2, schedule="dualpipev",
+                                            microbatches=4),
 }
 EXPERT_RUNS = [name for name, run in RUNS.items() if run.get("experts", 1) > 1]
 # The (2, 2, 1) run saves after STEPS steps and resumes at (1, 2, 2) with FSDP2 for RESUMED_STEPS more; the
@@ -142,12 +155,13 @@ RESUME = {"resume": dict(tp=1, pp=2, mode="fsdp", resume="tp2-pp2-dp1-1f1b-repli
 
 
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool = False, save: bool = False,
-         resume: str | None = None, experts: int = 1, world: int = 4) -> dict[str, Any]:
+         resume: str | None = None, experts: int = 1, world: int = 4, schedule: str = "1f1b",
+         microbatches: int = 2) -> dict[str, Any]:
     dp = world_size() // (tp * pp)
     logger, capture = MemoryLogger(), CaptureGradients()
     consistency = ConsistencyCheck(directory / f"{name}-export") if export else None
-    strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
-                            data_parallel_mode=mode, expert_parallel_size=experts)
+    strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=microbatches,
+                            data_parallel_mode=mode, expert_parallel_size=experts, pipeline_schedule=schedule)
     traffic = RecordExpertTraffic()
     callbacks = [capture] + ([traffic] if experts > 1 else []) + ([consistency] if export else [])
     if save:  # inside fit, at the last step
@@ -194,8 +208,8 @@ def _fabric_fit(tp: int, pp: int, experts: int) -> dict[str, Any]:
 
 
 def run_world(size: int, directory: str) -> dict[str, Any]:
-    """The runs of this world size (4, or 8 for the (2, 2, 2) one); at 4 also the Fabric loop with expert
-    parallelism and the skewed routing check."""
+    """The runs of this world size (4; 2 for the (1, 1, 2) one, 8 for the (2, 2, 2) one); at 4 also the Fabric
+    loop with expert parallelism and the skewed routing check."""
     results = {name: _fit(Path(directory), name, **configuration) for name, configuration in (RUNS | RESUME).items()
                if configuration.get("world", 4) == size}
     if size != 4:
@@ -250,7 +264,7 @@ def directory(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def world_results(directory) -> dict[str, list[dict[str, Any]]]:
-    return results_by_name([4, 8], "tests.models.test_deepseek:run_world", str(directory))
+    return results_by_name([2, 4, 8], "tests.models.test_deepseek:run_world", str(directory))
 
 
 @pytest.mark.distributed
@@ -318,16 +332,23 @@ def test_expert_parallel_runs_match_single_process_and_hold_only_their_experts(w
 
 @pytest.mark.distributed
 def test_an_expert_parallel_checkpoint_exports_whole_experts(world_results, directory, tmp_path):
-    """The checkpoint of the (1, 2, 2) run with its experts over 2 ranks exports a DeepseekV3ForCausalLM
-    that transformers loads with the model's own names and shapes (each block's 4 experts merged back into
-    the fused [4, ...] tensors), every tensor the checkpoint's own, bitwise. (That the checkpoint holds the
-    trained values is `test_a_checkpoint_resumes_exactly_at_another_layout`.)"""
+    """The checkpoint of the (1, 2, 2) run with its experts over 2 ranks exports what `save_pretrained` of
+    the model with its values writes (the Hub's names: each block's 4 experts as 4 x 3 tensors, which vLLM
+    reads), bitwise, and transformers loads it with the model's own names and shapes (the experts fused
+    again), every tensor the checkpoint's own. (That the checkpoint holds the trained values is
+    `test_a_checkpoint_resumes_exactly_at_another_layout`.)"""
     checkpoint, exported = directory / "tp1-pp2-dp2-ep2-1f1b-replicate.ckpt", tmp_path / "export"
     export_checkpoint(checkpoint, exported)
+    saved = load_model_tensors(checkpoint)
+    network = deepseek_network()
+    network.load_state_dict({name.removeprefix("model."): value for name, value in saved.items()})
+    network.save_pretrained(tmp_path / "save_pretrained")
+    written, expected = (load_file(folder / "model.safetensors") for folder in (exported, tmp_path / "save_pretrained"))
+    assert written.keys() == expected.keys() and "model.layers.1.mlp.experts.3.gate_proj.weight" in written
+    assert all(torch.equal(written[name], expected[name]) for name in expected)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(exported).state_dict()
     assert {name: tuple(value.shape) for name, value in loaded.items()} == {
         name: tuple(value.shape) for name, value in deepseek_network().state_dict().items()}
-    saved = load_model_tensors(checkpoint)
     for name, value in loaded.items():
         assert torch.equal(value, saved[f"model.{name}"]), name
 

@@ -32,12 +32,10 @@ def test_expert_parallel_is_accepted_in_every_data_parallel_mode_and_must_be_pos
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b", "zbv_zero_bubble", "dualpipev"])
-def test_expert_parallel_under_a_schedule_not_tested_with_it_is_refused(schedule):
-    with pytest.raises(ValueError, match=rf"expert_parallel_size=2 with pipeline_schedule='{schedule}' is not"
-                                         r" supported yet.*use pipeline_schedule='1f1b'"):
-        ParallelOptions(expert_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule=schedule,
-                        num_microbatches=4)
-    assert ParallelOptions(expert_parallel_size=2, pipeline_schedule=schedule).expert_parallel_size == 2  # pp 1
+def test_expert_parallel_is_accepted_under_every_pipeline_schedule(schedule):
+    options = ParallelOptions(expert_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule=schedule,
+                              num_microbatches=4)
+    assert (options.expert_parallel_size, options.pipeline_schedule) == (2, schedule)
 
 
 class _Mesh:

@@ -1,0 +1,55 @@
+"""transformers' loading internals used by the package (read from transformers 5.25): the reverse of the
+checkpoint conversion that `PreTrainedModel.save_pretrained` applies.
+
+transformers 5 holds some families' tensors under other names and shapes than their checkpoints on the Hub
+(a mixture-of-experts block's experts fused into 3-D `mlp.experts.gate_up_proj` / `down_proj`, Mixtral's
+`block_sparse_moe` held as `mlp`) and converts while loading; `save_pretrained` reverts the conversion with
+`core_model_loading.revert_weight_conversion(model, state_dict)`, which needs a model of the family (for
+its conversion table) but none of its values: a model on the meta device serves. transformers is imported
+only when these are called (the package does not need it otherwise).
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TRANSFORMERS_VERSION", "meta_causal_lm", "saved_tensors"]
+
+try:
+    TRANSFORMERS_VERSION: str | None = version("transformers")
+except PackageNotFoundError:
+    TRANSFORMERS_VERSION = None
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError(
+            "this checkpoint holds a transformers model: writing the names its save_pretrained writes needs"
+            " transformers; pip install 'transformers>=5'."
+        ) from error
+    return transformers
+
+
+def meta_causal_lm(config: dict[str, Any]) -> nn.Module:
+    """The causal LM of a `config.json` (its `model_type` and fields) built on the meta device: no memory,
+    whatever the model's size."""
+    transformers = _transformers()
+    fields = {key: value for key, value in config.items() if key != "model_type"}
+    built = transformers.AutoConfig.for_model(config["model_type"], **fields)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(built)
+
+
+def saved_tensors(model: nn.Module, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`held` (names and tensors as `model` holds them) under the names and shapes `save_pretrained` writes;
+    meta tensors give the names and shapes without values."""
+    _transformers()
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, held)
