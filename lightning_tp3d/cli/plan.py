@@ -7,9 +7,9 @@
 
 Training: the per-rank memory ledger (`plan.ledger`), the pipeline bubble and the communication ledger
 (`plan.communication`: calls and bytes per step for each of the tp, pp and dp groups, with times on the
-given links). Serving (`--serve`): weights and KV cache per GPU for each deploy tensor-parallel size and
-the vLLM command line. A DeepSeek mixture-of-experts model (`--ep`): its parameters and the expert-parallel
-all-to-alls (`cli.plan_experts`).
+given links). Serving (`--serve`, `cli.serving`): weights and KV cache per GPU for each deploy
+tensor-parallel size and the vLLM command line. A DeepSeek mixture-of-experts model (`--ep`): its parameters
+and the expert-parallel all-to-alls, or its servers with vLLM's expert parallelism (`cli.plan_experts`).
 """
 
 from __future__ import annotations
@@ -22,22 +22,18 @@ from dataclasses import asdict
 
 from lightning_tp3d.cli.communication import GPUS_PER_NODE, communication_lines, given_bandwidths
 from lightning_tp3d.cli.plan_experts import run_moe_plan
+from lightning_tp3d.cli.serving import print_serving_plan
 from lightning_tp3d.plan.advisor import Cluster, advise
 from lightning_tp3d.plan.communication import communication_ledger, group_bandwidths
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.data_parallel import DATA_PARALLEL_MODES
 from lightning_tp3d.plan.layout import ParallelLayout
-from lightning_tp3d.plan.ledger import (
-    PRECISIONS,
-    TrainingOptions,
-    serving_ledger,
-    serving_plan,
-    training_ledger,
-)
+from lightning_tp3d.plan.ledger import PRECISIONS, TrainingOptions, training_ledger
 from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from lightning_tp3d.plan.moe import MOE_PRESETS, resolve_moe_config
 from lightning_tp3d.plan.qlora import NF4_FORMAT, NF4Format
 from lightning_tp3d.plan.schedules import BUBBLE_FORMULAS, PIPELINE_SCHEDULES, schedule_bubble_fraction
+from lightning_tp3d.plan.serving import serving_ledger, serving_plan
 from lightning_tp3d.plan.units import parse_size
 
 __all__ = ["SERVING_DTYPE", "plan_parser"]
@@ -47,7 +43,6 @@ _DEFAULT_SEQ_LEN = 4096
 # The serving dtype that matches each training precision ("serve in the precision you trained in").
 SERVING_DTYPE = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16",
                  "16-mixed": "fp16"}
-_OOM_RETRY_UTILIZATION = 0.85  # the design documents' first step when a server does not start
 _MICROBATCHES_PER_STAGE = 4  # m >= 4 x pp keeps the GPipe / 1F1B bubble under 20%
 
 
@@ -146,25 +141,8 @@ def _run_serve_plan(args: argparse.Namespace, config: ModelConfig) -> int:
     plans = serving_plan(config, args.model_path or args.model, parse_size(args.gpu_memory),
                          args.gpu_memory_utilization, tokens, args.serve_dtype,
                          tuple(args.deploy_tp) if args.deploy_tp else None)
-    if args.json:
-        print(json.dumps({"model": config.to_dict(), "serving_plan": [
-            {**asdict(plan), "fits": plan.fits} for plan in plans]}, indent=2))
-        return 0
-    print(f"serving {args.model} in {args.serve_dtype} on GPUs of {parse_size(args.gpu_memory) / _GIB:.1f} GiB at"
-          f" utilization {args.gpu_memory_utilization}, sequences of {tokens} tokens")
-    print(f"{'deploy tp':>9} {'weights GiB':>12} {'KV B/token':>11} {'KV GiB/seq':>11} {'cache GiB':>10} {'seqs':>6}")
-    for plan in plans:
-        print(f"{plan.tensor_parallel_size:>9} {plan.weight_bytes_per_gpu / _GIB:>12.2f}"
-              f" {plan.kv_bytes_per_token_per_gpu:>11,} {plan.kv_bytes_per_sequence_per_gpu / _GIB:>11.3f}"
-              f" {plan.kv_budget_bytes_per_gpu / _GIB:>10.2f} {plan.max_num_seqs:>6}"
-              + ("" if plan.fits else "  does not fit"))
-    print("per GPU; the cache must also leave room for vLLM's profiling activations, so the counts are upper bounds")
-    for plan in plans:
-        if plan.fits:
-            print(plan.vllm_command)
-    if args.gpu_memory_utilization > _OOM_RETRY_UTILIZATION:
-        print(f"if vLLM runs out of memory while starting, retry with --gpu-memory-utilization"
-              f" {_OOM_RETRY_UTILIZATION} (and a lower --max-num-seqs)")
+    print_serving_plan(args, config.to_dict(), plans, tokens,
+                       "2 x layers x kv heads x head dim, kv heads split over tp (replicated beyond their count)")
     return 0
 
 

@@ -1,8 +1,10 @@
 """`tp3d plan` for a DeepSeek-V2 / V3 mixture-of-experts model (`plan.moe`): its parameters, what each rank
 holds (the routed experts apart) with its weights, gradients and optimizer state per stage, and the
-expert-parallel all-to-alls per step with their times.
+expert-parallel all-to-alls per step with their times; with `--serve`, vLLM servers with its expert
+parallelism (`cli.serving`).
 
     tp3d plan deepseek-v3 --tp 8 --pp 16 --dp 64 --ep 8 --num-microbatches 32 --precision bf16-mixed
+    tp3d plan deepseek-v3 --serve --gpu-memory 141GiB --max-model-len 8192 --deploy-tp 8 16
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import json
 from dataclasses import asdict
 
 from lightning_tp3d.cli.communication import GPUS_PER_NODE, communication_lines, given_bandwidths
+from lightning_tp3d.cli.serving import print_serving_plan
 from lightning_tp3d.plan.communication import EXPERT_GROUP, group_bandwidths
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.moe import MoEModelConfig, expert_ledger, expert_model_memory
+from lightning_tp3d.plan.serving import serving_plan
+from lightning_tp3d.plan.units import parse_size
 
 __all__ = ["run_moe_plan"]
 
@@ -26,6 +31,8 @@ def run_moe_plan(args: argparse.Namespace, config: MoEModelConfig, seq_len: int)
     optimizer state per rank, and the expert-parallel all-to-alls (`plan.moe`); its activations and tp / pp
     / dp traffic are not computed yet (the dense ledgers are Llama-shaped)."""
     _refuse_what_is_not_planned(args)
+    if args.serve:
+        return _run_moe_serve_plan(args, config, seq_len)
     layout = ParallelLayout(
         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches or args.pp,
@@ -69,10 +76,22 @@ def run_moe_plan(args: argparse.Namespace, config: MoEModelConfig, seq_len: int)
     return 0
 
 
+def _run_moe_serve_plan(args: argparse.Namespace, config: MoEModelConfig, seq_len: int) -> int:
+    """vLLM servers with expert parallelism over each size of `--deploy-tp` (`plan.serving.serving_plan`)."""
+    positions = config.max_position_embeddings or seq_len
+    tokens = args.max_model_len or min(seq_len, positions)
+    plans = serving_plan(config, args.model_path or args.model, parse_size(args.gpu_memory),
+                             args.gpu_memory_utilization, tokens, args.serve_dtype,
+                             tuple(args.deploy_tp) if args.deploy_tp else None)
+    print_serving_plan(args, asdict(config), plans, tokens,
+                       "one latent per layer (kv_lora_rank + qk_rope_head_dim), whole on every GPU")
+    return 0
+
+
 def _refuse_what_is_not_planned(args: argparse.Namespace) -> None:
     """The flags whose figures this plan does not compute for a mixture-of-experts model yet: refused,
     rather than a plan that silently ignores them."""
-    asked = {"--serve": args.serve, "--gpus (the advisor)": args.gpus is not None, "--plot": args.plot is not None,
+    asked = {"--gpus (the advisor)": args.gpus is not None, "--plot": args.plot is not None,
              "--lora-rank / --qlora": bool(args.lora_rank) or args.qlora, "--recompute": args.recompute != "none",
              f"--schedule {args.schedule}": args.schedule not in ("1f1b", "gpipe")}
     refused = [flag for flag, given in asked.items() if given]

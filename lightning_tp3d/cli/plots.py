@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_tp3d.plan.advisor import LayoutCandidate
-from lightning_tp3d.plan.ledger import ServingLedger, TrainingLedger
+from lightning_tp3d.plan.ledger import TrainingLedger
 from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, plan_pipeline
+from lightning_tp3d.plan.serving import ServingLedger
 from lightning_tp3d.plan.timeline import TimedAction, idle_fractions, simulate, single_stage_orders
 
 __all__ = ["DPI", "FIGURE_INCHES", "TIMELINE_INCHES", "plot_advisor", "plot_memory", "schedule_timeline"]

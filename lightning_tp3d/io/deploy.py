@@ -19,7 +19,7 @@ import torch
 from lightning_tp3d.io.folders import check_output_folder, replace_folder, staging_folder
 from lightning_tp3d.io.hf import SAFETENSORS_DTYPES, HFFolder, open_hf_folder, write_safetensors
 from lightning_tp3d.plan.config import ModelConfig
-from lightning_tp3d.plan.ledger import deploy_problem
+from lightning_tp3d.plan.serving import deploy_problem
 from lightning_tp3d.plan.sharding import split_dim
 from lightning_tp3d.plan.units import parse_size
 

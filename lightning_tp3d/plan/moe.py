@@ -80,6 +80,7 @@ class MoEModelConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None  # unknown: a serving plan does not check the length
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
@@ -183,13 +184,13 @@ MOE_PRESETS: dict[str, MoEModelConfig] = {
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
         num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1,
         num_experts_per_tok=8, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840),
     # deepseek-ai/DeepSeek-V2-Lite's config.json (no query latent)
     "deepseek-v2-lite": MoEModelConfig(
         vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
         num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64, n_shared_experts=2,
         num_experts_per_tok=6, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840),
 }
 
 

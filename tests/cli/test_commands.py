@@ -55,9 +55,33 @@ def test_plan_of_a_mixture_of_experts_model_prints_the_expert_all_to_alls(capsys
     assert "671.0e9 parameters, 36.6e9 active" in out and "32 of each block's 256 routed experts" in out
     assert main(["plan", "deepseek-llm-7b", "--ep", "2"]) == 2
     assert "--ep 2 splits routed experts, but deepseek-llm-7b has none" in capsys.readouterr().err
-    assert main(["plan", "deepseek-v3", "--serve", "--schedule", "interleaved_1f1b"]) == 2
-    assert ("--serve, --schedule interleaved_1f1b with a mixture-of-experts model is not planned yet"
+    assert main(["plan", "deepseek-v3", "--plot", "plan.png", "--schedule", "interleaved_1f1b"]) == 2
+    assert ("--plot, --schedule interleaved_1f1b with a mixture-of-experts model is not planned yet"
             in capsys.readouterr().err)
+
+
+def test_plan_serve_of_a_mixture_of_experts_model_prints_expert_parallel_servers(capsys):
+    """`plan.serving.serving_plan` (hand-checked in tests/plan/test_serving.py) through the command line:
+    a tensor- and a data-parallel server per size, vLLM's expert-parallel flag in their commands."""
+    arguments = ["plan", "deepseek-v3", "--serve", "--gpu-memory", "141GiB", "--max-model-len", "8192",
+                 "--deploy-tp", "8", "16"]
+    assert main(arguments) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in lines[2:6]] == [["tp", "8", "+"], ["dp", "8", "+"], ["tp", "16", "+"],
+                                                          ["dp", "16", "+"]]
+    assert lines[2].endswith("does not fit") and not lines[4].endswith("does not fit")
+    assert ("vllm serve deepseek-v3 --tensor-parallel-size 16 --enable-expert-parallel --dtype bfloat16"
+            " --gpu-memory-utilization 0.9 --max-model-len 8192 --max-num-seqs ") in "\n".join(lines)
+    assert main([*arguments, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["serving_plan"]
+    assert [(plan["tensor_parallel_size"], plan["data_parallel_size"], plan["expert_parallel"]) for plan in plans] \
+        == [(8, 1, True), (1, 8, True), (16, 1, True), (1, 16, True)]
+    assert main(["plan", "deepseek-v3", "--serve", "--deploy-tp", "3"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tp3d plan: error: 3 GPUs cannot serve this model with expert parallelism: 3 does not divide"
+        " n_routed_experts=256.")
+    assert main(["plan", "deepseek-v3", "--serve", "--max-model-len", "200000"]) == 2
+    assert "exceeds the model's max_position_embeddings=163840" in capsys.readouterr().err
 
 
 def test_plan_serve_prints_the_plan_and_the_vllm_commands(capsys):

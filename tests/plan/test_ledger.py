@@ -8,7 +8,7 @@ import pytest
 
 from lightning_tp3d import LayoutError, ModelConfig, ParallelLayout
 from lightning_tp3d.plan.config import MODEL_PRESETS
-from lightning_tp3d.plan.ledger import TrainingOptions, serving_ledger, serving_plan, training_ledger
+from lightning_tp3d.plan.ledger import TrainingOptions, training_ledger
 from lightning_tp3d.plan.loss import loss_activation_bytes
 from lightning_tp3d.plan.qlora import NF4_FORMAT
 
@@ -73,67 +73,9 @@ def test_fsdp_divides_state_by_dp_and_recompute_keeps_layer_inputs():
     assert first_of_stage.stages[0].activation_bytes == (layer + 32 * 64) * 4 + (layer - 32 * 64) * 4
 
 
-def test_serving_kv_cache_and_deploy_alignment_by_hand():
-    ledger = serving_ledger(MODEL_PRESETS["deepseek-llm-67b"], seq_len=4096, num_seqs=8, dtype="bf16")
-    per_token = 2 * 95 * 8 * 128 * 2  # 2 x layers x kv_heads x head_dim x bytes
-    assert ledger.kv_bytes_per_token == per_token == 389_120
-    assert ledger.kv_bytes_total == per_token * 4096 * 8
-    by_tp = {option.tensor_parallel_size: option for option in ledger.options}
-    assert by_tp[8].kv_bytes_per_token_per_gpu == per_token // 8
-    assert by_tp[16].valid and by_tp[16].kv_bytes_per_token_per_gpu == 2 * 95 * 1 * 128 * 2  # kv heads replicated
-    odd = serving_ledger(ModelConfig(num_attention_heads=4, num_key_value_heads=4), seq_len=8)
-    assert not {o.tensor_parallel_size: o for o in odd.options}[8].valid
-
-
-def test_bad_serving_and_training_options():
+def test_bad_training_options():
     with pytest.raises(ValueError, match=r"precision='fp8' is not one of"):
         TrainingOptions(precision="fp8")
-    with pytest.raises(LayoutError, match=r"must be positive"):
-        serving_ledger(ModelConfig(), seq_len=0)
-
-
-GIB80 = 80 * 2**30
-BUDGET = int(GIB80 * 0.9)  # gpu_memory_utilization 0.9
-
-
-def test_serving_plan_deepseek_7b_by_hand():
-    plans = {plan.tensor_parallel_size: plan for plan in serving_plan(
-        MODEL_PRESETS["deepseek-llm-7b"], "deepseek-ai/deepseek-llm-7b-base", GIB80, 0.9, 4096, "bf16")}
-    assert sorted(plans) == [1, 2, 4, 8, 16]
-    one, eight = plans[1], plans[8]
-    assert one.weight_bytes_per_gpu == 6_910_365_696 * 2
-    assert one.kv_bytes_per_token_per_gpu == 2 * 30 * 32 * 128 * 2 == 491_520
-    assert one.kv_bytes_per_sequence_per_gpu == 491_520 * 4096
-    assert one.max_num_seqs == (BUDGET - 6_910_365_696 * 2) // (491_520 * 4096) == 31
-    layer_tp8 = (2 * H * H + 3 * H * F) // 8 + 2 * H * (32 // 8) * 128 + 2 * H
-    weights_tp8 = (L * layer_tp8 + 2 * V * H // 8 + H) * 2
-    assert eight.weight_bytes_per_gpu == weights_tp8 == 1_728_028_672
-    assert eight.kv_bytes_per_token_per_gpu == 491_520 // 8
-    assert eight.max_num_seqs == (BUDGET - weights_tp8) // (491_520 // 8 * 4096) == 300
-    assert eight.vllm_command == (
-        "vllm serve deepseek-ai/deepseek-llm-7b-base --tensor-parallel-size 8 --dtype bfloat16"
-        " --gpu-memory-utilization 0.9 --max-model-len 4096 --max-num-seqs 300")
-
-
-def test_serving_plan_deepseek_67b_by_hand():
-    h, f, layers, kv_heads = 8192, 22016, 95, 8
-    plans = {plan.tensor_parallel_size: plan for plan in serving_plan(
-        MODEL_PRESETS["deepseek-llm-67b"], "deepseek-llm-67b", GIB80, 0.9, 4096, "bf16", (1, 4, 8, 16))}
-    layer_tp4 = (2 * h * h + 3 * h * f) // 4 + 2 * h * (kv_heads // 4) * 128 + 2 * h
-    weights_tp4 = (layers * layer_tp4 + 2 * V * h // 4 + h) * 2
-    assert plans[4].weight_bytes_per_gpu == weights_tp4 == 33_714_847_744
-    assert plans[4].kv_bytes_per_token_per_gpu == 2 * layers * 2 * 128 * 2 == 97_280
-    assert plans[4].max_num_seqs == (BUDGET - weights_tp4) // (97_280 * 4096) == 109
-    assert plans[16].kv_bytes_per_token_per_gpu == 2 * layers * 1 * 128 * 2  # 8 kv heads replicated over 16 GPUs
-    assert not plans[1].fits and plans[1].max_num_seqs == 0  # 125.6 GiB of bf16 weights on one 80 GiB GPU
-
-
-def test_serving_plan_refuses_an_invalid_deploy_tp():
-    with pytest.raises(LayoutError, match=r"deploy tensor_parallel_size=3 is not valid for this model: 3 does not"
-                                          r" divide num_attention_heads=32"):
-        serving_plan(MODEL_PRESETS["deepseek-llm-7b"], "m", GIB80, tensor_parallel_sizes=(3,))
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
-        serving_plan(MODEL_PRESETS["deepseek-llm-7b"], "m", GIB80, gpu_memory_utilization=1.5)
 
 
 def test_zero1_divides_only_the_optimizer_state_by_dp():
