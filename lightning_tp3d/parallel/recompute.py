@@ -16,7 +16,9 @@ Which blocks (`method`, `num_layers` = N):
 The block's (or the target's) `forward` is replaced on the instance by a non-reentrant
 `torch.utils.checkpoint` call, so parameter names, tensor-parallel plans, FSDP units and checkpoint
 keys are unchanged (no `_checkpoint_wrapped_module.` prefix). The random state is replayed, so
-dropout masks in the recompute equal the forward's. Apply after tensor parallelism and before FSDP.
+dropout masks in the recompute equal the forward's. A recomputed block gets no KV cache to write (a Hugging
+Face model hands its blocks one during training too; the replay would append the keys twice), as under
+transformers' own gradient checkpointing. Apply after tensor parallelism and before FSDP.
 """
 
 from __future__ import annotations
@@ -69,9 +71,20 @@ def recompute_network_layers(layers: nn.ModuleDict | nn.ModuleList, stage_layers
     return chosen
 
 
+# A recomputed block must not write a KV cache: the recompute would write it a second time (a cache grown by
+# the forward's keys makes the replayed attention see twice the sequence). In training the cache serves nothing,
+# so it is dropped, as transformers' own `GradientCheckpointingLayer` drops it (its names for it vary by model).
+_KV_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
 def _checkpointed(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def recomputed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # nothing to recompute: the block runs as it is, cache included
+            return function(*args, **kwargs)
+        kwargs.update({name: None for name in _KV_CACHE_ARGUMENTS if kwargs.get(name) is not None})
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
     return recomputed

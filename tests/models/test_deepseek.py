@@ -13,7 +13,8 @@ transformers loads with the live model's logits, and saves a checkpoint that res
 Expert parallelism (`expert_parallel_size=2`, `parallel.experts`) runs the same comparison at (2, 1, 2),
 (1, 2, 2) 1F1B, (1, 1, 4) (two replicas of each expert group), in a world of 2 at (1, 1, 2), in a world of
 8 at (2, 2, 2) 1F1B, at (1, 2, 2) under each other pipeline schedule (GPipe, interleaved 1F1B, looped BFS,
-interleaved zero bubble, ZBV, DualPipeV, across the three data-parallel modes), and
+interleaved zero bubble, ZBV, DualPipeV, across the three data-parallel modes), with full recompute
+(E = 1 and E = 2: the experts' forward all-to-alls replayed in the backward, counted) and selective, and
 with FSDP2 at (1, 2, 2) 1F1B (one replica: the experts outside the units) and (1, 1, 4) (each expert
 group's experts sharded over its two replicas), and with ZeRO-1 at (1, 1, 4); its (1, 2, 2) checkpoint
 resumes exactly without it at (2, 1, 2) and exports whole experts, the (1, 1, 4) FSDP2 one with the
@@ -141,6 +142,10 @@ RUNS = {
     "tp1-pp2-dp2-ep2-zbv_zero_bubble-fsdp": dict(tp=1, pp=2, mode="fsdp", experts=2, schedule="zbv_zero_bubble"),
     "tp1-pp2-dp2-ep2-dualpipev-zero1": dict(tp=1, pp=2, mode="zero1", experts=2, schedule="dualpipev",
                                             microbatches=4),
+    # recompute: transformers' experts (E = 1) and the split ones replayed with their all-to-alls (E = 2)
+    "tp2-pp1-dp2-fsdp-full-recompute": dict(tp=2, pp=1, mode="fsdp", recompute="full"),
+    "tp2-pp1-dp2-ep2-replicate-full-recompute": dict(tp=2, pp=1, mode="replicate", experts=2, recompute="full"),
+    "tp1-pp2-dp2-ep2-1f1b-fsdp-selective-recompute": dict(tp=1, pp=2, mode="fsdp", experts=2, recompute="selective"),
 }
 EXPERT_RUNS = [name for name, run in RUNS.items() if run.get("experts", 1) > 1]
 # The (2, 2, 1) run saves after STEPS steps and resumes at (1, 2, 2) with FSDP2 for RESUMED_STEPS more; the
@@ -156,12 +161,13 @@ RESUME = {"resume": dict(tp=1, pp=2, mode="fsdp", resume="tp2-pp2-dp1-1f1b-repli
 
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool = False, save: bool = False,
          resume: str | None = None, experts: int = 1, world: int = 4, schedule: str = "1f1b",
-         microbatches: int = 2) -> dict[str, Any]:
+         microbatches: int = 2, recompute: str = "none") -> dict[str, Any]:
     dp = world_size() // (tp * pp)
     logger, capture = MemoryLogger(), CaptureGradients()
     consistency = ConsistencyCheck(directory / f"{name}-export") if export else None
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=microbatches,
-                            data_parallel_mode=mode, expert_parallel_size=experts, pipeline_schedule=schedule)
+                            data_parallel_mode=mode, expert_parallel_size=experts, pipeline_schedule=schedule,
+                            recompute=recompute, recompute_target="self_attn")
     traffic = RecordExpertTraffic()
     callbacks = [capture] + ([traffic] if experts > 1 else []) + ([consistency] if export else [])
     if save:  # inside fit, at the last step
@@ -391,6 +397,23 @@ def test_the_all_to_all_traffic_is_the_ledgers(world_results, name):
     assert set(step_bytes.values()) == {experts * ledger["payload_bytes"]}, (step_bytes, ledger)
 
 
+def _expert_calls(result: dict[str, Any]) -> int:
+    return sum(calls for key, calls in result["expert_traffic"].items() if key[0] == "ep")
+
+
+@pytest.mark.distributed
+def test_full_recompute_replays_the_experts_forward_all_to_alls(world_results):
+    """Full recompute runs each MoE block's forward again in the backward, its three forward all-to-alls
+    (counts, dispatch, combine) with it: 8 per block and step instead of 5 on every rank (the parity is in
+    `test_deepseek_v3_matches_single_process_at_every_layout`); selective recompute (the attention) leaves
+    the experts' exchanges as they are, rank by rank."""
+    blocks = MoEModelConfig.from_dict(SHAPE).moe_layers
+    assert [_expert_calls(result) for result in world_results["tp2-pp1-dp2-ep2-replicate-full-recompute"]] == [
+        8 * blocks] * 4
+    assert [_expert_calls(result) for result in world_results["tp1-pp2-dp2-ep2-1f1b-fsdp-selective-recompute"]] == [
+        _expert_calls(result) for result in world_results["tp1-pp2-dp2-ep2-1f1b-fsdp"]]
+
+
 @pytest.mark.distributed
 def test_expert_parallel_with_every_token_on_one_rank(world_results):
     for rank, result in enumerate(world_results["skewed-routing"]):
@@ -415,13 +438,12 @@ def test_the_adapter_reads_the_plan_from_the_config():
     assert isinstance(without_latent["model.layers.*.self_attn.kv_a_proj_with_mqa"], SharedAcrossHeads)
 
 
-@pytest.mark.parametrize(("features", "named"), [(dict(recompute="full"), "recompute"),
-                                                  (dict(compiled=True), "compile"),
+@pytest.mark.parametrize(("features", "named"), [(dict(compiled=True), "compile"),
                                                   (dict(float8="tensorwise"), "float8"), (dict(peft=True), "PEFT")])
 def test_features_not_yet_tested_with_mla_and_moe_are_refused(features, named):
-    with pytest.raises(ValueError, match=f"{named}.*DeepSeek-V3.*not supported yet; train it with recompute='none'"):
+    with pytest.raises(ValueError, match=f"{named}.*DeepSeek-V3.*not supported yet; train it with compile=None"):
         DeepseekV3Adapter.for_network(deepseek_network()).check_features(**features)
-    DeepseekV3Adapter().check_features()  # the defaults pass
+    DeepseekV3Adapter().check_features(recompute="full")  # the defaults and recompute pass
 
 
 def test_the_adapter_named_as_the_option_is_built_for_the_network():
