@@ -1,5 +1,6 @@
-"""transformers' loading internals used by the package (read from transformers 5.25): the reverse of the
-checkpoint conversion that `PreTrainedModel.save_pretrained` applies.
+"""transformers' internals used by the package (read from transformers 5.25): the reverse of the checkpoint
+conversion that `PreTrainedModel.save_pretrained` applies, and which experts implementation a model's
+mixture-of-experts blocks run (the dtype they compute in under autocast).
 
 transformers 5 holds some families' tensors under other names and shapes than their checkpoints on the Hub
 (a mixture-of-experts block's experts fused into 3-D `mlp.experts.gate_up_proj` / `down_proj`, Mixtral's
@@ -17,7 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TRANSFORMERS_VERSION", "meta_causal_lm", "saved_tensors"]
+__all__ = ["TRANSFORMERS_VERSION", "experts_run_in_weight_dtype", "meta_causal_lm", "saved_tensors"]
+
+# transformers' experts implementations (`config._experts_implementation`) that cast their input to the
+# weights' dtype and multiply outside autocast (`torch._grouped_mm` has no autocast rule): under bf16-mixed a
+# model's experts then compute in the float32 of its master weights. "eager" and "batched_mm" (linear, bmm)
+# follow autocast. "grouped_mm" is transformers 5's default.
+_WEIGHT_DTYPE_EXPERTS = ("grouped_mm",)
 
 try:
     TRANSFORMERS_VERSION: str | None = version("transformers")
@@ -34,6 +41,14 @@ def _transformers() -> Any:
             " transformers; pip install 'transformers>=5'."
         ) from error
     return transformers
+
+
+def experts_run_in_weight_dtype(experts: nn.Module) -> bool:
+    """Whether a `transformers` experts module computes in its weights' dtype whatever autocast says (its
+    config's experts implementation is one of `_WEIGHT_DTYPE_EXPERTS`); False for a module without a
+    config (it follows autocast, as `nn.functional.linear` does)."""
+    config = getattr(experts, "config", None)
+    return getattr(config, "_experts_implementation", None) in _WEIGHT_DTYPE_EXPERTS
 
 
 def meta_causal_lm(config: dict[str, Any]) -> nn.Module:

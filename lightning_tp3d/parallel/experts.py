@@ -13,7 +13,9 @@ A block's forward on each ep rank (dropless: every token goes to every expert it
     pairs       the T x K (token, expert) choices of the rank's T tokens, sorted by expert
     dispatch    all-to-all over "ep": the pairs' hidden states to the ranks holding their experts, the
                 split sizes from an all-to-all of the per-expert counts
-    experts     each local expert on the rows it received (SwiGLU: down(act(gate) * up))
+    experts     each local expert on the rows it received (SwiGLU: down(act(gate) * up)), in the dtype the
+                model's own experts compute in: transformers' default grouped_mm experts cast their input
+                to the weights' dtype outside autocast (fp32 under bf16-mixed), eager ones follow autocast
     combine     all-to-all back, reversed splits; each token sums its K outputs weighted by the router
 
 The all-to-alls are autograd functions (the backward is the reversed all-to-all), so an expert's gradient
@@ -26,6 +28,7 @@ one bucketed all-reduce over "edp").
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_tp3d._compat.torch import functional_collectives
+from lightning_tp3d._compat.transformers import experts_run_in_weight_dtype
 
 __all__ = ["ExpertParallelExperts", "is_expert_parameter", "shard_experts"]
 
@@ -58,6 +62,7 @@ class ExpertParallelExperts(nn.Module):
         self.num_local = self.num_experts // self.ep_size
         self.first_local = mesh.get_local_rank("ep") * self.num_local
         self.act_fn = experts.act_fn
+        self.in_weight_dtype = experts_run_in_weight_dtype(experts)
         self.group = mesh.get_group("ep")
         for name in ("gate_up_proj", "down_proj"):
             whole = getattr(experts, name)
@@ -102,9 +107,11 @@ class ExpertParallelExperts(nn.Module):
         by_expert = torch.argsort(expert_of_row, stable=True)
         chunks = inputs[by_expert].split([sum(column) for column in zip(*host_counts)])
         outputs = []
-        for expert, rows in enumerate(chunks):
-            gate, up = nn.functional.linear(rows, gate_up[expert]).chunk(2, dim=-1)
-            outputs.append(nn.functional.linear(self.act_fn(gate) * up, down[expert]))
+        with torch.autocast(inputs.device.type, enabled=False) if self.in_weight_dtype else nullcontext():
+            for expert, rows in enumerate(chunks):
+                rows = rows.to(gate_up.dtype) if self.in_weight_dtype else rows
+                gate, up = nn.functional.linear(rows, gate_up[expert]).chunk(2, dim=-1)
+                outputs.append(nn.functional.linear(self.act_fn(gate) * up, down[expert]))
         return torch.cat(outputs)[torch.argsort(by_expert)]
 
 

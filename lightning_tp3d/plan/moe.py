@@ -39,8 +39,10 @@ routing is uniform.
 Per step (`expert_ledger`, the "ep" group of `tp3d plan`): each rank of a stage runs these five
 all-to-alls for each of the stage's MoE blocks and each of its k m micro-batches of T = b s tokens, with
 R = T K (uniform routing; over an ep group the sum is exact whatever the routing). The dispatch and its
-backward carry the residual stream's dtype, the combine and its backward the experts' outputs (autocast:
-16-bit; `plan.communication.activation_bytes`).
+backward carry the residual stream's dtype (`plan.communication.activation_bytes`), the combine and its
+backward the experts' outputs, in the dtype the experts compute in: the weights' dtype for transformers'
+default grouped_mm experts, which run outside autocast (`parallel.experts`: float32 under the mixed
+precisions; an eager experts implementation would send the autocast dtype).
 """
 
 from __future__ import annotations
@@ -215,15 +217,15 @@ def expert_ledger(config: MoEModelConfig, layout: ParallelLayout, seq_len: int, 
     config.routed_expert_parameters_per_rank(experts)  # E divides the experts
     passes = layout.gradient_accumulation_steps * layout.num_microbatches
     exchange = config.expert_exchange(layout.micro_batch_size * seq_len, experts)
-    low, stream = activation_bytes(precision)
+    stream, weights = activation_bytes(precision)[1], PRECISIONS[precision][0]
     stages = []
     for layers in layout.stage_layer_ranges(config.num_hidden_layers):
         calls = passes * sum(layer >= config.first_k_dense_replace for layer in layers)
         stages.append([] if not calls or experts == 1 else [
             Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.counts, 8, "expert counts, forward"),
             Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, stream, "dispatch, forward"),
-            Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, low, "combine, forward"),
-            Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, low, "combine's backward"),
+            Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, weights, "combine, forward"),
+            Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, weights, "combine's backward"),
             Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, stream, "dispatch's backward")])
     return CommunicationLedger({EXPERT_GROUP: experts}, stages)
 

@@ -86,15 +86,18 @@ def test_the_expert_ledger_counts_five_all_to_alls_per_moe_block_and_micro_batch
     63 units (61 blocks, embedding, head) split 3 + 4 x 14 + 3, so stage 0 holds 2 of the 3 dense blocks
     (no all-to-all) and stage 15 three MoE blocks: 32 x 3 x 5 calls; per block and micro-batch 256 int64 counts,
     234,881,024 elements dispatched and returned in fp32 (the residual stream) and combined and returned in
-    bf16 (autocast outputs); 7/8 of each crosses a link with uniform routing."""
+    fp32 (the experts' outputs: transformers' grouped_mm experts compute in the master weights' dtype); 7/8 of
+    each crosses a link with uniform routing; under bf16-true all four in bf16."""
     layout = ParallelLayout(tensor_parallel_size=8, pipeline_parallel_size=16, data_parallel_size=64,
                             num_microbatches=32, expert_parallel_size=8)
     ledger = expert_ledger(MOE_PRESETS["deepseek-v3"], layout, 4096, "bf16-mixed")
     assert ledger.totals(0)["ep"]["calls"] == 0 and ledger.group_sizes == {"ep": 8}
     last = ledger.totals(15)["ep"]
-    per_block = 256 * 8 + 234_881_024 * (4 + 2 + 2 + 4)
+    per_block = 256 * 8 + 234_881_024 * (4 + 4 + 4 + 4)
     assert last["calls"] == 32 * 3 * 5 and last["payload_bytes"] == 32 * 3 * per_block
     assert last["sent_bytes"] == pytest.approx(7 / 8 * last["payload_bytes"])
+    sixteen = expert_ledger(MOE_PRESETS["deepseek-v3"], layout, 4096, "bf16-true").totals(15)["ep"]
+    assert sixteen["payload_bytes"] == 32 * 3 * (256 * 8 + 234_881_024 * (2 + 2 + 2 + 2))
     assert expert_ledger(MOE_PRESETS["deepseek-v3"], layout.__class__(data_parallel_size=64), 4096,
                          "32-true").totals(0)["ep"]["calls"] == 0  # E = 1: no exchange
 
