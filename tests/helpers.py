@@ -243,6 +243,21 @@ def reference_run(
     return result
 
 
+def assert_bf16_mixed_gradients(gradients: dict[str, torch.Tensor], global_batch_size: int,
+                                build_network: Callable[[], nn.Module],
+                                loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+                                tolerance: float) -> None:
+    """`gradients` (name -> first-step gradient, gathered whole) within `tolerance` (worst ||g - g_ref|| /
+    ||g_ref||) of the one-process bf16 autocast run of `build_network`'s, a bound the one-process fp32 run's
+    gradients must exceed (so the check tells a run that trained in bf16 from one that did not)."""
+    bf16 = reference_run(1, global_batch_size, build_network=build_network, loss_of=loss_of,
+                         autocast_dtype=torch.bfloat16)["first_grads"]
+    fp32 = reference_run(1, global_batch_size, build_network=build_network, loss_of=loss_of)["first_grads"]
+    assert worst_relative_difference(fp32, bf16) > tolerance
+    assert gradients.keys() == bf16.keys()
+    assert worst_relative_difference(gradients, bf16) <= tolerance
+
+
 @torch.no_grad()
 def reference_validation_loss(model: nn.Module, data: TokenDataModule, batch_size: int, dp: int = 2) -> float:
     """Lightning's distributed validation, replayed: per dp rank a DistributedSampler shard, the mean of its

@@ -148,7 +148,7 @@ def _write_merged(output: Path, meta: CheckpointMeta, shapes: dict[str, tuple[in
     extra = shapes.keys() - set(required)  # e.g. Qwen2's q/k/v biases
     entries = [(name, shapes[name]) for name in required + [name for name in shapes if name in extra]]
     if exported_as_held(meta.model_config):  # a mixture of experts: the Hub's per-expert names, as vLLM reads
-        hub = HubNames(meta.model_config, entries)
+        hub = HubNames.for_config(meta.model_config, entries)
         entries, load = hub.entries, functools.partial(hub.load, load_held=load)
     return _write_hf_folder(output, hf_config_for(meta.model_config, EXPORT_DTYPES[dtype]), entries, load,
                             EXPORT_DTYPES[dtype], parse_size(max_shard_size))

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from lightning_tp3d.io.hub_names import HubNames
 from lightning_tp3d.parallel.materialize import local_region
 from lightning_tp3d.plan.config import ModelConfig
 
@@ -207,35 +207,51 @@ def open_hf_folder(folder: str | Path) -> Iterator[HFFolder]:
 
 
 # ---------------------------------------------------------------------------------------------- import
+def _holds_hub_conversions(network: nn.Module) -> bool:
+    """Whether `network` is a `transformers` model of `EXPORTED_AS_HELD` (held under other names than the
+    Hub's: `io.hub_names`)."""
+    return getattr(getattr(network, "config", None), "model_type", None) in EXPORTED_AS_HELD
+
+
 @torch.no_grad()
 def load_hf_weights(network: nn.Module, hf_folder: str | Path) -> int:
     """Copy a Hugging Face folder's tensors into `network`'s parameters and persistent buffers, each rank
     reading only its own slice (DTensor local shard; a pruned pipeline stage has only its own tensors).
-    Returns the number of tensors loaded; names must match (the reference decoder uses Hugging Face names)."""
+    Returns the number of tensors loaded; names must match (the reference decoder uses Hugging Face names),
+    but for a mixture of experts' fused experts (and Mixtral's renamed block), read from the Hub's per-expert
+    tensors, each rank only its experts' (`io.hub_names.HubNames.held_region`)."""
     hf_folder = Path(hf_folder)
     loaded = 0
     with open_hf_folder(hf_folder) as hf:
         persistent = set(network.state_dict(keep_vars=True))
         targets = dict(network.named_parameters())  # tied parameters appear once, under their first name
         targets.update({name: buffer for name, buffer in network.named_buffers() if name in persistent})
-        missing = [name for name in targets if name not in hf.weight_map]
+        absent = {name: tuple(target.shape) for name, target in targets.items() if name not in hf.weight_map}
+        hub = HubNames(network, list(absent.items())) if absent and _holds_hub_conversions(network) else None
+
+        def sources(name: str, target: torch.Tensor) -> list[tuple[str, tuple[int, ...]]]:
+            """The folder's tensors (name, expected shape) that `target` is read from."""
+            if name not in absent:
+                return [(name, tuple(target.shape))]
+            return hub.pieces[name] if hub is not None else []
+
+        missing = [name for name, target in targets.items() if not sources(name, target)
+                   or any(piece not in hf.weight_map for piece, _ in sources(name, target))]
         if missing:
             raise ValueError(
                 f"{hf_folder} has no tensor for {len(missing)} of the network's parameters, e.g. {missing[0]!r};"
-                " the network must use Hugging Face Llama names."
+                " the folder must hold the network's names (Hugging Face Llama names for the reference decoder, a"
+                " mixture of experts' per-expert names as save_pretrained writes them)."
             )
         for name, target in targets.items():
-            view = hf.slice(name)
-            if tuple(view.get_shape()) != tuple(target.shape):
-                raise ValueError(
-                    f"{name}: {hf_folder} holds shape {list(view.get_shape())}, the network expects"
-                    f" {list(target.shape)}."
-                )
-            if isinstance(target, DTensor):
-                local, region = local_region(target)
-                local.copy_(view[region] if local.numel() else local)
-            else:
-                target.copy_(view[:])
+            for piece, shape in sources(name, target):
+                if tuple(hf.slice(piece).get_shape()) != shape:
+                    raise ValueError(f"{piece}: {hf_folder} holds shape {list(hf.slice(piece).get_shape())}, the"
+                                     f" network expects {list(shape)}.")
+            local, region = local_region(target)
+            if local.numel():
+                local.copy_(hf.slice(name)[region] if name not in absent
+                            else hub.held_region(name, tuple(target.shape), region, hf.tensor))
             loaded += 1
     return loaded
 

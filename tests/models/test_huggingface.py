@@ -7,7 +7,9 @@ losses of 5 steps and every gradient each rank holds after step 1, per tensor (r
 Two mixture-of-experts families run as they are (`models.moe`): Qwen3-MoE (a dense first block, then MoE
 blocks of 4 routed experts, 2 per token) at (2, 1, 2) with its experts over 2 ranks, replicated (exported
 and loaded by transformers with the live logits) and with FSDP2 (its per-head q / k norms' gradients summed
-over tp either way), and Mixtral at (1, 2, 2) 1F1B with FSDP2 and its experts over 2 ranks.
+over tp either way), and Mixtral at (1, 2, 2) 1F1B with FSDP2 and its experts over 2 ranks; both also built
+on the meta device and filled by `pretrained=` from a folder transformers wrote (per-expert tensors), Qwen3-MoE
+at (1, 1, 4) with FSDP2 and E = 2, Mixtral (whose block the Hub names `block_sparse_moe`) at (2, 1, 2) E = 2.
 """
 
 from __future__ import annotations
@@ -114,7 +116,14 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {
         "qwen3moe-tp2-pp1-dp2-ep2-replicate": dict(architecture="qwen3_moe", tp=2, pp=1, mode="replicate", experts=2,
                                                    export=True),
         "qwen3moe-tp2-pp1-dp2-ep2-fsdp": dict(architecture="qwen3_moe", tp=2, pp=1, mode="fsdp", experts=2),
-        "mixtral-tp1-pp2-dp2-ep2-1f1b-fsdp": dict(architecture="mixtral", tp=1, pp=2, mode="fsdp", experts=2)},
+        "mixtral-tp1-pp2-dp2-ep2-1f1b-fsdp": dict(architecture="mixtral", tp=1, pp=2, mode="fsdp", experts=2),
+        # built on the meta device, `pretrained=` a folder transformers wrote (the Hub's per-expert tensors):
+        # each rank reads only its experts (1 of 4 per block here: E = 2 and FSDP2 over the 2 replicas)
+        "qwen3moe-meta-pretrained-option-tp1-pp1-dp4-ep2-fsdp": dict(architecture="qwen3_moe", tp=1, pp=1,
+                                                                     mode="fsdp", experts=2, from_pretrained="shards"),
+        "mixtral-meta-pretrained-option-tp2-pp1-dp2-ep2-replicate": dict(architecture="mixtral", tp=2, pp=1,
+                                                                         mode="replicate", experts=2,
+                                                                         from_pretrained="shards")},
 }
 # The (1, 2, 2) FSDP run saves after STEPS steps; this run resumes it at (2, 1, 2) for RESUMED_STEPS more.
 RESUMED_STEPS = 3
@@ -130,7 +139,7 @@ def _fit(directory: Path, name: str, architecture: str, tp: int, pp: int, mode: 
     dp = world_size() // (tp * pp)
     logger, capture = MemoryLogger(), CaptureGradients()
     consistency = ConsistencyCheck(directory / f"{name}-export") if export else None
-    folder = directory / "pretrained"
+    folder = directory / f"pretrained-{architecture}"
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_schedule=schedule,
                             num_microbatches=2, data_parallel_mode=mode, recompute=recompute,
                             expert_parallel_size=experts,
@@ -158,7 +167,8 @@ def run_world(world: int, directory: str) -> dict[str, Any]:
 def directory(tmp_path_factory) -> Path:
     """Holds the folder a `from_pretrained` run loads (written by transformers) and the exports."""
     directory = tmp_path_factory.mktemp("hf")
-    hf_network("llama").save_pretrained(directory / "pretrained")
+    for architecture in ("llama", "qwen3_moe", "mixtral"):
+        hf_network(architecture).save_pretrained(directory / f"pretrained-{architecture}")
     return directory
 
 
@@ -172,8 +182,8 @@ def test_hf_module_matches_single_process_at_every_layout(world_results, directo
     configuration = CONFIGURATIONS[name]
     if configuration.get("from_pretrained"):  # the folder's own model, loaded by transformers
         def build() -> nn.Module:
-            return transformers.AutoModelForCausalLM.from_pretrained(directory / "pretrained",
-                                                                     attn_implementation="sdpa")
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                directory / f"pretrained-{configuration['architecture']}", attn_implementation="sdpa")
     else:
         def build() -> nn.Module:
             return hf_network(configuration["architecture"])
