@@ -37,16 +37,16 @@ def run_moe_plan(args: argparse.Namespace, config: MoEModelConfig, seq_len: int)
         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches or args.pp,
         gradient_accumulation_steps=args.gradient_accumulation_steps, expert_parallel_size=args.ep)
-    ledger = expert_ledger(config, layout, seq_len, args.precision)
-    memory = expert_model_memory(config, layout, args.precision, args.dp_mode)
+    ledger = expert_ledger(config, layout, seq_len, args.precision, args.schedule, args.stages_per_rank)
+    memory = expert_model_memory(config, layout, args.precision, args.dp_mode, args.schedule, args.stages_per_rank)
     bandwidth = group_bandwidths(layout, args.gpus_per_node or GPUS_PER_NODE, given_gbps=given_bandwidths(args))
     figures = {"parameters": config.num_parameters(), "active_parameters": config.active_parameters(),
                "routed_expert_parameters": config.routed_expert_parameters(),
                "routed_expert_parameters_per_rank": config.routed_expert_parameters_per_rank(args.ep)}
     if args.json:
-        print(json.dumps({"model": asdict(config), "layout": layout.to_dict(), **figures,
-                          "memory": [asdict(stage) | {"layers": [stage.layers.start, stage.layers.stop],
-                                                      "total_bytes": stage.total_bytes} for stage in memory],
+        ranks = [asdict(stage) | {"layers": [[layers.start, layers.stop] for layers in stage.layers],
+                                  "total_bytes": stage.total_bytes} for stage in memory]
+        print(json.dumps({"model": asdict(config), "layout": layout.to_dict(), **figures, "memory": ranks,
                           "expert_communication": ledger.to_dict() | {
                               "bandwidth_bytes_per_second": {EXPERT_GROUP: bandwidth[EXPERT_GROUP]},
                               "seconds": [ledger.seconds(stage, bandwidth) for stage in range(len(ledger.stages))]}},
@@ -65,7 +65,7 @@ def run_moe_plan(args: argparse.Namespace, config: MoEModelConfig, seq_len: int)
     print(f"{'stage':>5} {'layers':>9} {'params/rank':>14} {'experts/rank':>14} {'weights':>9} {'grads':>9}"
           f" {'optim':>9} {'total GiB':>9}")
     for stage in memory:
-        layers = f"{stage.layers.start}-{stage.layers.stop - 1}"
+        layers = ",".join(f"{layers.start}-{layers.stop - 1}" for layers in stage.layers)
         print(f"{stage.stage:>5} {layers:>9} {stage.parameters:>14,} {stage.expert_parameters:>14,}"
               f" {stage.weight_bytes / _GIB:>9.2f} {stage.gradient_bytes / _GIB:>9.2f}"
               f" {stage.optimizer_bytes / _GIB:>9.2f} {stage.total_bytes / _GIB:>9.2f}")
@@ -92,9 +92,8 @@ def _refuse_what_is_not_planned(args: argparse.Namespace) -> None:
     """The flags whose figures this plan does not compute for a mixture-of-experts model yet: refused,
     rather than a plan that silently ignores them."""
     asked = {"--gpus (the advisor)": args.gpus is not None, "--plot": args.plot is not None,
-             "--lora-rank / --qlora": bool(args.lora_rank) or args.qlora, "--recompute": args.recompute != "none",
-             f"--schedule {args.schedule}": args.schedule not in ("1f1b", "gpipe")}
+             "--lora-rank / --qlora": bool(args.lora_rank) or args.qlora, "--recompute": args.recompute != "none"}
     refused = [flag for flag, given in asked.items() if given]
     if refused:
         raise ValueError(f"{', '.join(refused)} with a mixture-of-experts model is not planned yet; plan it without"
-                         " (one pipeline stage per rank: --schedule 1f1b or gpipe).")
+                         f" {'them' if len(refused) > 1 else 'it'}.")

@@ -104,7 +104,8 @@ def export_checkpoint(
     if deploy_sizes and exported_as_held(meta.model_config):
         raise ValueError(
             f"deploy shards follow Llama's split table, not {meta.model_config['model_type']}'s: export without"
-            " --deploy-tp and let the serving engine split the merged folder (vLLM: --tensor-parallel-size).")
+            " --deploy-tp and let the serving engine split the merged folder (vLLM: --tensor-parallel-size N"
+            " --enable-expert-parallel; `tp3d plan MODEL --serve` sizes it).")
     for size in deploy_sizes:
         check_deploy_tp(config, size)
     prefix = meta.network_prefix

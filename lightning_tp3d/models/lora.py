@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +165,13 @@ class PeftLoraAdapter(ModelAdapter):
         modules = dict(network.named_modules())
         lora_layers = {name: {adapter: float(value) for adapter, value in module.scaling.items()}
                        for name, module in modules.items() if isinstance(module, LoraLayer)}
+        experts = [name for name in lora_layers if name.rpartition(".")[2] == "experts" or ".experts." in name]
+        if experts:
+            raise ValueError(
+                f"LoRA on a mixture of experts' fused routed experts ({experts[0]}: PEFT wraps them when"
+                " target_modules names gate_proj, up_proj or down_proj in a transformers MoE model) is not supported"
+                " yet; name the attention's projections only, e.g. target_modules=['q_proj', 'k_proj', 'v_proj',"
+                " 'o_proj'].")
         reasons = []
         if any(isinstance(module, ModulesToSaveWrapper) for module in modules.values()):
             reasons.append("modules_to_save keeps a trainable copy of a module the tp_plan shards; train it with"
@@ -199,6 +206,10 @@ class PeftLoraAdapter(ModelAdapter):
 
     def default_pipeline_stages(self) -> PipelineStages:
         return PrefixedStages(self.inner.pipeline_stages(), PEFT_PREFIX)
+
+    def routed_experts(self, blocks: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
+        """The adapted model's routed experts (PEFT wraps linear layers, not the fused experts)."""
+        return self.inner.routed_experts(blocks)
 
     def loss_function(self, network: nn.Module) -> StageLoss:
         return self.inner.loss_function(self.inner_network(network))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -31,8 +32,9 @@ from lightning_tp3d.models.huggingface import (
     is_huggingface_causal_lm,
 )
 from lightning_tp3d.parallel.tensor import TensorParallelPlan
+from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 
-__all__ = ["HuggingFaceMoEAdapter", "has_fused_experts", "moe_tp_plan"]
+__all__ = ["HuggingFaceMoEAdapter", "check_router_loss", "has_fused_experts", "moe_tp_plan"]
 
 _MLP_PATTERN = "model.layers.*.mlp"
 
@@ -81,15 +83,32 @@ class HuggingFaceMoEAdapter(HuggingFaceCausalLMAdapter):
 
     def check_features(self, *, recompute: str = "none", compiled: bool = False, float8: str | None = None,
                        peft: bool = False) -> None:
-        """Regional compilation, FP8 and PEFT are not yet tested with mixture-of-experts blocks: refused.
-        (Recompute is tested: full and selective, with the experts split or not.)"""
-        asked = {"compile": compiled, "float8": float8 is not None, "a PEFT (LoRA) model": peft}
+        """Regional compilation and FP8 are not yet tested with mixture-of-experts blocks: refused. (Recompute
+        and PEFT LoRA are tested: full and selective recompute with the experts split or not, LoRA on the
+        attention and dense projections with the experts split.)"""
+        asked = {"compile": compiled, "float8": float8 is not None}
         refused = [feature for feature, wanted in asked.items() if wanted]
         if refused:
             raise ValueError(
                 f"{', '.join(refused)} with the {self.name} (mixture-of-experts blocks) is not supported yet; train"
-                " it with compile=None, float8=None and without PEFT.")
+                " it with compile=None and float8=None.")
 
     def routed_experts(self, blocks: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
         """Each MoE block's `mlp.experts` (the dense blocks have none)."""
         return [(block.mlp, "experts") for block in blocks if has_fused_experts(block)]
+
+
+def check_router_loss(config: Any | None, layout: ParallelLayout) -> None:
+    """A mixture of experts' auxiliary load-balancing loss (transformers' `output_router_logits=True`:
+    N sum_e f_e P_e, the tokens' share routed to expert e times its mean router probability) is a function of
+    the whole batch's routing: computed on each dp rank's share it is another loss than one process's, and
+    pipeline stages pass on hidden states, not router logits. Refused there until the statistics are summed
+    over the batch."""
+    sizes = {"data_parallel_size": layout.data_parallel_size, "pipeline_parallel_size": layout.pipeline_parallel_size}
+    split = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
+    if getattr(config, "output_router_logits", False) and split:
+        raise LayoutError(
+            f"output_router_logits=True (the auxiliary load-balancing loss) with {split} is not supported yet:"
+            " the loss depends on the whole batch's routing, which no rank sees (and pipeline stages do not carry"
+            " router logits); set model.config.output_router_logits = False, or train at"
+            " data_parallel_size = pipeline_parallel_size = 1.")

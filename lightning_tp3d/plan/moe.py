@@ -36,9 +36,10 @@ so 2 T K h + 2 R h activation elements per rank, 4 E T K h over the group, plus 
 payload, the share a rank keeps for itself does not cross a link: (E - 1) / E of it does when the
 routing is uniform.
 
-Per step (`expert_ledger`, the "ep" group of `tp3d plan`): each rank of a stage runs these five
-all-to-alls for each of the stage's MoE blocks and each of its k m micro-batches of T = b s tokens, with
-R = T K (uniform routing; over an ep group the sum is exact whatever the routing). The dispatch and its
+Per step (`expert_ledger`, the "ep" group of `tp3d plan`): each rank runs these five all-to-alls for each
+MoE block of its stages (one, or several under the looped and V-shaped schedules) and each of its k m
+micro-batches of T = b s tokens, with R = T K (uniform routing; over an ep group the sum is exact whatever
+the routing). The dispatch and its
 backward carry the residual stream's dtype (`plan.communication.activation_bytes`), the combine and its
 backward the experts' outputs, in the dtype the experts compute in: the weights' dtype for transformers'
 default grouped_mm experts, which run outside autocast (`parallel.experts`: float32 under the mixed
@@ -57,6 +58,7 @@ from lightning_tp3d.plan.communication import EXPERT_GROUP, CommunicationLedger,
 from lightning_tp3d.plan.data_parallel import choose_data_parallel
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import PRECISIONS
+from lightning_tp3d.plan.schedules import rank_stages
 
 __all__ = ["MOE_PRESETS", "ExpertExchange", "ExpertStageMemory", "MoEModelConfig", "expert_ledger",
            "expert_model_memory", "resolve_moe_config"]
@@ -209,18 +211,19 @@ def resolve_moe_config(name_or_path: str | Path) -> MoEModelConfig | None:
     return MoEModelConfig.from_dict(values) if "n_routed_experts" in values else None
 
 
-def expert_ledger(config: MoEModelConfig, layout: ParallelLayout, seq_len: int, precision: str
-                  ) -> CommunicationLedger:
-    """Per pipeline stage, the all-to-alls one rank issues over its expert-parallel group in a step (module
-    docstring), as a `CommunicationLedger` of the one group "ep"."""
+def expert_ledger(config: MoEModelConfig, layout: ParallelLayout, seq_len: int, precision: str,
+                  schedule: str = "1f1b", stages_per_rank: int = 2) -> CommunicationLedger:
+    """Per pp rank (its stages under `schedule`: one, or `stages_per_rank` for the looped and V-shaped
+    ones, `plan.schedules.rank_stages`), the all-to-alls one rank issues over its expert-parallel group in a
+    step (module docstring), as a `CommunicationLedger` of the one group "ep"."""
     experts = layout.expert_parallel_size
     config.routed_expert_parameters_per_rank(experts)  # E divides the experts
     passes = layout.gradient_accumulation_steps * layout.num_microbatches
     exchange = config.expert_exchange(layout.micro_batch_size * seq_len, experts)
     stream, weights = activation_bytes(precision)[1], PRECISIONS[precision][0]
     stages = []
-    for layers in layout.stage_layer_ranges(config.num_hidden_layers):
-        calls = passes * sum(layer >= config.first_k_dense_replace for layer in layers)
+    for held in rank_stages(schedule, layout, stages_per_rank, config.num_hidden_layers):
+        calls = passes * sum(layer >= config.first_k_dense_replace for layers in held.layer_ranges for layer in layers)
         stages.append([] if not calls or experts == 1 else [
             Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.counts, 8, "expert counts, forward"),
             Transfer(EXPERT_GROUP, "all_to_all", calls, exchange.dispatch, stream, "dispatch, forward"),
@@ -232,11 +235,12 @@ def expert_ledger(config: MoEModelConfig, layout: ParallelLayout, seq_len: int, 
 
 @dataclass(frozen=True)
 class ExpertStageMemory:
-    """One rank of a pipeline stage: its parameters (the routed experts apart) and the bytes of weights,
-    gradients and optimizer state they take under the data-parallel mode (`expert_model_memory`)."""
+    """One rank of pp rank `stage` (its stages' `layers`): its parameters (the routed experts apart) and the
+    bytes of weights, gradients and optimizer state they take under the data-parallel mode
+    (`expert_model_memory`)."""
 
     stage: int
-    layers: range
+    layers: tuple[range, ...]
     parameters: int  # per rank: split over tp, not over dp
     expert_parameters: int  # the routed experts a rank holds: split over E, not over their replicas
     weight_bytes: int
@@ -248,24 +252,24 @@ class ExpertStageMemory:
         return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
 
 
-def expert_model_memory(config: MoEModelConfig, layout: ParallelLayout, precision: str, data_parallel_mode: str
-                        ) -> list[ExpertStageMemory]:
-    """Per pipeline stage, one rank's weights, gradients and optimizer state (bytes per parameter from
-    `plan.ledger.PRECISIONS`): "replicate" holds them whole; "zero1" cuts the optimizer state over dp (the
-    experts' over their d = dp / E replicas); "fsdp" cuts all three so (FSDP2's gathered units and the
-    activations are not counted)."""
+def expert_model_memory(config: MoEModelConfig, layout: ParallelLayout, precision: str, data_parallel_mode: str,
+                        schedule: str = "1f1b", stages_per_rank: int = 2) -> list[ExpertStageMemory]:
+    """Per pp rank (its stages under `schedule`, as `expert_ledger`), one rank's weights, gradients and
+    optimizer state (bytes per parameter from `plan.ledger.PRECISIONS`): "replicate" holds them whole;
+    "zero1" cuts the optimizer state over dp (the experts' over their d = dp / E replicas); "fsdp" cuts all
+    three so (FSDP2's gathered units and the activations are not counted)."""
     tp, dp, experts = layout.tensor_parallel_size, layout.data_parallel_size, layout.expert_parallel_size
     replicas = dp // experts
     plan = choose_data_parallel(data_parallel_mode, dp, layout.pipeline_parallel_size)
     weight, gradient, optimizer, _ = PRECISIONS[precision]
     h, vocab_split = config.hidden_size, config.vocab_size * config.hidden_size // tp
-    ranges = layout.stage_layer_ranges(config.num_hidden_layers)
     stages = []
-    for stage, layers in enumerate(ranges):
-        split = [config.block_parameters_per_rank(layer, tp, experts) for layer in layers]
-        parameters = sum(dense for dense, _ in split) + (vocab_split if stage == 0 else 0)
-        if stage == len(ranges) - 1:
-            parameters += h + (0 if config.tie_word_embeddings and stage == 0 else vocab_split)
+    for rank, held_stages in enumerate(rank_stages(schedule, layout, stages_per_rank, config.num_hidden_layers)):
+        split = [config.block_parameters_per_rank(layer, tp, experts)
+                 for layers in held_stages.layer_ranges for layer in layers]
+        parameters = sum(dense for dense, _ in split) + (vocab_split if held_stages.first else 0)
+        if held_stages.last:
+            parameters += h + (0 if config.tie_word_embeddings and held_stages.first else vocab_split)
         routed = sum(expert for _, expert in split)
 
         def held(shards: int, parameters: int = parameters, routed: int = routed) -> int:
@@ -273,6 +277,6 @@ def expert_model_memory(config: MoEModelConfig, layout: ParallelLayout, precisio
             return -(-parameters // shards) + -(-routed // (replicas if shards > 1 else 1))
 
         stages.append(ExpertStageMemory(
-            stage, layers, parameters, routed, held(plan.parameter_shards) * weight,
+            rank, held_stages.layer_ranges, parameters, routed, held(plan.parameter_shards) * weight,
             held(plan.parameter_shards) * gradient, held(plan.optimizer_shards) * optimizer))
     return stages

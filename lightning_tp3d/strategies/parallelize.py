@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.models.lora import check_peft_construction
+from lightning_tp3d.models.moe import check_router_loss
 from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.compile import compile_blocks, warn_of_training_cache
 from lightning_tp3d.parallel.data_parallel import DataParallel
@@ -65,6 +66,7 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
     adapter.check_features(recompute=options.recompute, compiled=options.compile is not None, float8=options.float8)
     if layout.expert_parallel_size > 1:
         _check_experts(network, adapter, layout)
+    check_router_loss(getattr(network, "config", None), layout)
     tp_plan = adapter.tp_plan()
     if layout.tensor_parallel_size > 1:
         check_plan_matches(network, tp_plan, adapter.name)

@@ -55,8 +55,8 @@ def test_plan_of_a_mixture_of_experts_model_prints_the_expert_all_to_alls(capsys
     assert "671.0e9 parameters, 36.6e9 active" in out and "32 of each block's 256 routed experts" in out
     assert main(["plan", "deepseek-llm-7b", "--ep", "2"]) == 2
     assert "--ep 2 splits routed experts, but deepseek-llm-7b has none" in capsys.readouterr().err
-    assert main(["plan", "deepseek-v3", "--plot", "plan.png", "--schedule", "interleaved_1f1b"]) == 2
-    assert ("--plot, --schedule interleaved_1f1b with a mixture-of-experts model is not planned yet"
+    assert main(["plan", "deepseek-v3", "--plot", "plan.png", "--recompute", "full"]) == 2
+    assert ("--plot, --recompute with a mixture-of-experts model is not planned yet; plan it without them"
             in capsys.readouterr().err)
 
 

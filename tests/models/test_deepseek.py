@@ -350,10 +350,15 @@ def test_expert_parallel_runs_match_single_process_and_hold_only_their_experts(w
 def test_an_expert_parallel_checkpoint_exports_whole_experts(world_results, directory, tmp_path):
     """The checkpoint of the (1, 2, 2) run with its experts over 2 ranks exports what `save_pretrained` of
     the model with its values writes (the Hub's names: each block's 4 experts as 4 x 3 tensors, which vLLM
-    reads), bitwise, and transformers loads it with the model's own names and shapes (the experts fused
-    again), every tensor the checkpoint's own. (That the checkpoint holds the trained values is
+    reads), bitwise (deploy shards, whose split table is Llama's, refused before anything is written), and
+    transformers loads it with the model's own names and shapes (the experts fused again), every tensor the
+    checkpoint's own. (That the checkpoint holds the trained values is
     `test_a_checkpoint_resumes_exactly_at_another_layout`.)"""
     checkpoint, exported = directory / "tp1-pp2-dp2-ep2-1f1b-replicate.ckpt", tmp_path / "export"
+    with pytest.raises(ValueError, match=r"deploy shards follow Llama's split table, not deepseek_v3's.*"
+                                         r"--enable-expert-parallel"):
+        export_checkpoint(checkpoint, exported, deploy_tp=2)
+    assert not exported.exists()  # refused before anything is written
     export_checkpoint(checkpoint, exported)
     saved = load_model_tensors(checkpoint)
     network = deepseek_network()
@@ -458,11 +463,11 @@ def test_the_adapter_reads_the_plan_from_the_config():
 
 
 @pytest.mark.parametrize(("features", "named"), [(dict(compiled=True), "compile"),
-                                                  (dict(float8="tensorwise"), "float8"), (dict(peft=True), "PEFT")])
+                                                  (dict(float8="tensorwise"), "float8")])
 def test_features_not_yet_tested_with_mla_and_moe_are_refused(features, named):
     with pytest.raises(ValueError, match=f"{named}.*DeepSeek-V3.*not supported yet; train it with compile=None"):
         DeepseekV3Adapter.for_network(deepseek_network()).check_features(**features)
-    DeepseekV3Adapter().check_features(recompute="full")  # the defaults and recompute pass
+    DeepseekV3Adapter().check_features(recompute="full", peft=True)  # the defaults, recompute and PEFT pass
 
 
 def test_the_adapter_named_as_the_option_is_built_for_the_network():

@@ -102,6 +102,28 @@ def test_the_expert_ledger_counts_five_all_to_alls_per_moe_block_and_micro_batch
                          "32-true").totals(0)["ep"]["calls"] == 0  # E = 1: no exchange
 
 
+def test_under_an_interleaved_schedule_each_rank_counts_the_moe_blocks_of_all_its_stages():
+    """DeepSeek-V2-Lite (27 blocks, the first dense) at pp 2 with interleaved 1F1B (2 stages per rank: 29 units
+    over 4 stages of 6, 7, 7, 7 blocks): rank 0 holds blocks 0-5 and 13-19 (12 MoE blocks, the embedding),
+    rank 1 blocks 6-12 and 20-26 (14 MoE blocks, the head); 8 micro-batches: 8 x 12 x 5 and 8 x 14 x 5
+    all-to-alls; each rank's memory is its stages' blocks' (the same per-block split as one stage per rank)."""
+    lite = MOE_PRESETS["deepseek-v2-lite"]
+    layout = ParallelLayout(pipeline_parallel_size=2, data_parallel_size=8, num_microbatches=8,
+                            expert_parallel_size=4)
+    ledger = expert_ledger(lite, layout, 4096, "bf16-mixed", "interleaved_1f1b", 2)
+    assert [ledger.totals(rank)["ep"]["calls"] for rank in (0, 1)] == [8 * 12 * 5, 8 * 14 * 5]
+    memory = expert_model_memory(lite, layout, "bf16-mixed", "replicate", "interleaved_1f1b", 2)
+    assert [stage.layers for stage in memory] == [(range(0, 6), range(13, 20)), (range(6, 13), range(20, 27))]
+    blocks = [lite.block_parameters_per_rank(layer, 1, 4) for layer in range(27)]
+    vocab = lite.vocab_size * lite.hidden_size
+    for stage, extra in zip(memory, (vocab, vocab + lite.hidden_size)):
+        held = [blocks[layer] for layers in stage.layers for layer in layers]
+        assert stage.parameters == sum(dense for dense, _ in held) + extra
+        assert stage.expert_parameters == sum(routed for _, routed in held)
+    one_stage = expert_model_memory(lite, layout, "bf16-mixed", "replicate")
+    assert [stage.layers for stage in one_stage] == [(range(0, 13),), (range(13, 27),)]
+
+
 def test_a_deepseek_config_json_is_read_as_a_mixture_of_experts_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY | {"model_type": "deepseek_v3", "rope_theta": 1e4}))
     assert resolve_moe_config(tmp_path) == MoEModelConfig.from_dict(TINY)
