@@ -37,8 +37,8 @@ def _transformers() -> Any:
         import transformers
     except ImportError as error:
         raise ImportError(
-            "this checkpoint holds a transformers model: writing the names its save_pretrained writes needs"
-            " transformers; pip install 'transformers>=5'."
+            "this is a transformers model's checkpoint or folder: converting between the names the model holds"
+            " and those save_pretrained writes needs transformers; pip install 'transformers>=5'."
         ) from error
     return transformers
 

@@ -81,8 +81,8 @@ def _run_moe_serve_plan(args: argparse.Namespace, config: MoEModelConfig, seq_le
     positions = config.max_position_embeddings or seq_len
     tokens = args.max_model_len or min(seq_len, positions)
     plans = serving_plan(config, args.model_path or args.model, parse_size(args.gpu_memory),
-                             args.gpu_memory_utilization, tokens, args.serve_dtype,
-                             tuple(args.deploy_tp) if args.deploy_tp else None)
+                         args.gpu_memory_utilization, tokens, args.serve_dtype,
+                         tuple(args.deploy_tp) if args.deploy_tp else None)
     print_serving_plan(args, asdict(config), plans, tokens,
                        "one latent per layer (kv_lora_rank + qk_rope_head_dim), whole on every GPU")
     return 0

@@ -228,15 +228,11 @@ def load_hf_weights(network: nn.Module, hf_folder: str | Path) -> int:
         targets.update({name: buffer for name, buffer in network.named_buffers() if name in persistent})
         absent = {name: tuple(target.shape) for name, target in targets.items() if name not in hf.weight_map}
         hub = HubNames(network, list(absent.items())) if absent and _holds_hub_conversions(network) else None
-
-        def sources(name: str, target: torch.Tensor) -> list[tuple[str, tuple[int, ...]]]:
-            """The folder's tensors (name, expected shape) that `target` is read from."""
-            if name not in absent:
-                return [(name, tuple(target.shape))]
-            return hub.pieces[name] if hub is not None else []
-
-        missing = [name for name, target in targets.items() if not sources(name, target)
-                   or any(piece not in hf.weight_map for piece, _ in sources(name, target))]
+        # the folder's tensors (name, expected shape) each target is read from
+        sources = {name: [(name, tuple(target.shape))] if name not in absent else hub.pieces[name] if hub else []
+                   for name, target in targets.items()}
+        missing = [name for name, pieces in sources.items()
+                   if not pieces or any(piece not in hf.weight_map for piece, _ in pieces)]
         if missing:
             raise ValueError(
                 f"{hf_folder} has no tensor for {len(missing)} of the network's parameters, e.g. {missing[0]!r};"
@@ -244,14 +240,15 @@ def load_hf_weights(network: nn.Module, hf_folder: str | Path) -> int:
                 " mixture of experts' per-expert names as save_pretrained writes them)."
             )
         for name, target in targets.items():
-            for piece, shape in sources(name, target):
-                if tuple(hf.slice(piece).get_shape()) != shape:
-                    raise ValueError(f"{piece}: {hf_folder} holds shape {list(hf.slice(piece).get_shape())}, the"
-                                     f" network expects {list(shape)}.")
+            for piece, shape in sources[name]:
+                held_shape = tuple(hf.slice(piece).get_shape())
+                if held_shape != shape:
+                    raise ValueError(f"{piece}: {hf_folder} holds shape {list(held_shape)}, the network expects"
+                                     f" {list(shape)}.")
             local, region = local_region(target)
             if local.numel():
                 local.copy_(hf.slice(name)[region] if name not in absent
-                            else hub.held_region(name, tuple(target.shape), region, hf.tensor))
+                            else hub.held_region(name, tuple(target.shape), region, hf.slice))
             loaded += 1
     return loaded
 

@@ -65,13 +65,15 @@ class HubNames:
         return self._loaded.pop(name)
 
     def held_region(self, held: str, shape: tuple[int, ...], region: tuple[slice, ...],
-                    read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        """`region` of the held tensor `held` (of `shape`) from the Hub's tensors, read with `read`: a
-        renamed tensor is its one piece; a fused experts tensor is the stack over the experts in
-        `region[0]` (at least one) of each expert's pieces joined along the dim where their sizes add up."""
+                    open_piece: Callable[[str], Any]) -> torch.Tensor:
+        """`region` of the held tensor `held` (of `shape`) from the Hub's tensors, each opened with
+        `open_piece` (anything indexed like a tensor: a safetensors slice reads only what is indexed): a
+        renamed tensor is its one piece, read at `region`; a fused experts tensor is the stack over the
+        experts in `region[0]` (at least one) of each expert's pieces joined along the dim where their sizes
+        add up."""
         pieces = self.pieces[held]
         if len(pieces) == 1 and not _EXPERT.search(pieces[0][0]):
-            return read(pieces[0][0])[region]
+            return open_piece(pieces[0][0])[region]
         by_expert: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
         for name, piece_shape in pieces:
             by_expert.setdefault(int(_EXPERT.search(name).group(1)), []).append((name, piece_shape))
@@ -79,7 +81,7 @@ class HubNames:
         dim = _joined_dim([piece_shape for _, piece_shape in by_expert[0]], expert_shape, held)
         experts = []
         for expert in range(*region[0].indices(shape[0])):
-            parts = [read(name) for name, _ in by_expert[expert]]
+            parts = [open_piece(name)[:] for name, _ in by_expert[expert]]
             whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
             experts.append(whole[region[1:]])
         return torch.stack(experts)

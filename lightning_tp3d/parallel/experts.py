@@ -105,11 +105,12 @@ class ExpertParallelExperts(nn.Module):
         expert_of_row = torch.arange(self.num_local, device=inputs.device).repeat(self.ep_size)
         expert_of_row = expert_of_row.repeat_interleave(counts.reshape(-1), output_size=inputs.shape[0])
         by_expert = torch.argsort(expert_of_row, stable=True)
+        if self.in_weight_dtype:  # as the model's own experts: in the weights' dtype, outside autocast
+            inputs = inputs.to(gate_up.dtype)
         chunks = inputs[by_expert].split([sum(column) for column in zip(*host_counts)])
         outputs = []
         with torch.autocast(inputs.device.type, enabled=False) if self.in_weight_dtype else nullcontext():
             for expert, rows in enumerate(chunks):
-                rows = rows.to(gate_up.dtype) if self.in_weight_dtype else rows
                 gate, up = nn.functional.linear(rows, gate_up[expert]).chunk(2, dim=-1)
                 outputs.append(nn.functional.linear(self.act_fn(gate) * up, down[expert]))
         return torch.cat(outputs)[torch.argsort(by_expert)]
