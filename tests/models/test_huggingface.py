@@ -7,9 +7,10 @@ losses of 5 steps and every gradient each rank holds after step 1, per tensor (r
 Two mixture-of-experts families run as they are (`models.moe`): Qwen3-MoE (a dense first block, then MoE
 blocks of 4 routed experts, 2 per token) at (2, 1, 2) with its experts over 2 ranks, replicated (exported
 and loaded by transformers with the live logits) and with FSDP2 (its per-head q / k norms' gradients summed
-over tp either way), and Mixtral at (1, 2, 2) 1F1B with FSDP2 and its experts over 2 ranks; both also built
-on the meta device and filled by `pretrained=` from a folder transformers wrote (per-expert tensors), Qwen3-MoE
-at (1, 1, 4) with FSDP2 and E = 2, Mixtral (whose block the Hub names `block_sparse_moe`) at (2, 1, 2) E = 2.
+over tp either way), and Mixtral; both built on the meta device and filled by `pretrained=` from a folder
+transformers wrote (per-expert tensors): Qwen3-MoE at (1, 1, 4) with FSDP2 and E = 2, Mixtral (whose block the
+Hub names `block_sparse_moe`) at (2, 1, 2) E = 2 and at (1, 2, 2) 1F1B with FSDP2 and E = 2 (each stage reads
+its own blocks' experts).
 """
 
 from __future__ import annotations
@@ -116,9 +117,12 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {
         "qwen3moe-tp2-pp1-dp2-ep2-replicate": dict(architecture="qwen3_moe", tp=2, pp=1, mode="replicate", experts=2,
                                                    export=True),
         "qwen3moe-tp2-pp1-dp2-ep2-fsdp": dict(architecture="qwen3_moe", tp=2, pp=1, mode="fsdp", experts=2),
-        "mixtral-tp1-pp2-dp2-ep2-1f1b-fsdp": dict(architecture="mixtral", tp=1, pp=2, mode="fsdp", experts=2),
         # built on the meta device, `pretrained=` a folder transformers wrote (the Hub's per-expert tensors):
-        # each rank reads only its experts (1 of 4 per block here: E = 2 and FSDP2 over the 2 replicas)
+        # each rank reads only its experts (of its stage's blocks under pipelining; 1 of 4 per block with E = 2
+        # and FSDP2 over the 2 replicas)
+        "mixtral-meta-pretrained-option-tp1-pp2-dp2-ep2-1f1b-fsdp": dict(architecture="mixtral", tp=1, pp=2,
+                                                                         mode="fsdp", experts=2,
+                                                                         from_pretrained="shards"),
         "qwen3moe-meta-pretrained-option-tp1-pp1-dp4-ep2-fsdp": dict(architecture="qwen3_moe", tp=1, pp=1,
                                                                      mode="fsdp", experts=2, from_pretrained="shards"),
         "mixtral-meta-pretrained-option-tp2-pp1-dp2-ep2-replicate": dict(architecture="mixtral", tp=2, pp=1,
