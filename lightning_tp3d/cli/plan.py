@@ -21,16 +21,23 @@ import textwrap
 from dataclasses import asdict
 
 from lightning_tp3d.cli.communication import GPUS_PER_NODE, communication_lines, given_bandwidths
+from lightning_tp3d.cli.memory import byte_unit, memory_lines
 from lightning_tp3d.cli.plan_experts import run_moe_plan
 from lightning_tp3d.cli.serving import print_serving_plan
 from lightning_tp3d.plan.advisor import Cluster, advise
-from lightning_tp3d.plan.communication import communication_ledger, group_bandwidths
+from lightning_tp3d.plan.communication import (
+    EXPERT_DATA_GROUP,
+    EXPERT_GROUP,
+    GROUPS,
+    communication_ledger,
+    group_bandwidths,
+)
 from lightning_tp3d.plan.config import MODEL_PRESETS, ModelConfig, resolve_model_config
 from lightning_tp3d.plan.data_parallel import DATA_PARALLEL_MODES
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import PRECISIONS, TrainingOptions, training_ledger
 from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
-from lightning_tp3d.plan.moe import MOE_PRESETS, resolve_moe_config
+from lightning_tp3d.plan.moe import MOE_PRESETS, MoEModelConfig, resolve_moe_config
 from lightning_tp3d.plan.qlora import NF4_FORMAT, NF4Format
 from lightning_tp3d.plan.schedules import BUBBLE_FORMULAS, PIPELINE_SCHEDULES, schedule_bubble_fraction
 from lightning_tp3d.plan.serving import serving_ledger, serving_plan
@@ -44,11 +51,6 @@ _DEFAULT_SEQ_LEN = 4096
 SERVING_DTYPE = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16",
                  "16-mixed": "fp16"}
 _MICROBATCHES_PER_STAGE = 4  # m >= 4 x pp keeps the GPipe / 1F1B bubble under 20%
-
-
-def _unit(largest: int) -> tuple[str, int]:
-    """GiB for figures of a GiB or more, else MiB (a tiny model's ledger is not 0.00 everywhere)."""
-    return ("GiB", _GIB) if largest >= _GIB else ("MiB", 1024**2)
 
 
 def _sequence_length(args: argparse.Namespace, config: ModelConfig) -> tuple[int, str]:
@@ -146,6 +148,7 @@ def _run_serve_plan(args: argparse.Namespace, config: ModelConfig) -> int:
     return 0
 
 
+_EXPERTS_LEGEND = "ep: the routed experts split over that many dp ranks;"
 _ADVISOR_LEGEND = (
     "m: micro-batches per pipeline pass; k: gradient-accumulation steps; reshard: FSDP frees a block's gathered"
     " weights after its forward (fsdp_reshard_after_forward); GiB: the fullest rank's memory (the ledger); step s:"
@@ -155,7 +158,7 @@ _ADVISOR_LEGEND = (
 )
 
 
-def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
+def _run_advisor(args: argparse.Namespace, config: ModelConfig | MoEModelConfig) -> int:
     if args.global_batch_size is None:
         raise ValueError("the advisor needs --global-batch-size B: the sequences of one optimizer step over all dp"
                          " ranks (per-rank batch_size x dp x accumulate_grad_batches in your run).")
@@ -184,20 +187,23 @@ def _run_advisor(args: argparse.Namespace, config: ModelConfig) -> int:
     if not fitting:
         print("no layout fits: add GPUs, use fsdp or recompute, or a shorter sequence")
         return 1
-    wide = f" {'compute':>8} {'bubble':>7} {'tp':>6} {'pp':>6} {'dp':>6}" if args.wide else ""
-    print(f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>3} {'dp mode':>9} {'reshard':>7} {'recompute':>9} {'m':>4} {'k':>3}"
-          f" {'GiB':>6}{wide} {'step s':>7}  why (vs #1)")
+    experts = isinstance(config, MoEModelConfig)  # an ep column, and the ep / edp groups' seconds
+    groups = GROUPS + ((EXPERT_GROUP, EXPERT_DATA_GROUP) if experts else ())
+    wide = f" {'compute':>8} {'bubble':>7}" + "".join(f" {group:>6}" for group in groups) if args.wide else ""
+    print(f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>3}{' ep' if experts else ''} {'dp mode':>9} {'reshard':>7}"
+          f" {'recompute':>9} {'m':>4} {'k':>3} {'GiB':>6}{wide} {'step s':>7}  why (vs #1)")
     for index, candidate in enumerate(fitting[: args.top], 1):
         exposed = candidate.exposed_seconds
-        times = (f" {candidate.compute_seconds:>8.3f} {candidate.bubble_seconds:>7.3f} {exposed['tp']:>6.3f}"
-                 f" {exposed['pp']:>6.3f} {exposed['dp']:>6.3f}") if args.wide else ""
+        times = (f" {candidate.compute_seconds:>8.3f} {candidate.bubble_seconds:>7.3f}"
+                 + "".join(f" {exposed.get(group, 0.0):>6.3f}" for group in groups)) if args.wide else ""
         reshard = {None: "-", True: "yes", False: "no"}[candidate.reshards]
+        ep = f" {candidate.expert_parallel_size:>2}" if experts else ""
         print(f"{index:>2} {candidate.tensor_parallel_size:>3} {candidate.pipeline_parallel_size:>3}"
-              f" {candidate.data_parallel_size:>3} {candidate.data_parallel_mode:>9} {reshard:>7}"
+              f" {candidate.data_parallel_size:>3}{ep} {candidate.data_parallel_mode:>9} {reshard:>7}"
               f" {candidate.recompute:>9} {candidate.num_microbatches:>4} {candidate.gradient_accumulation_steps:>3}"
               f" {candidate.peak_bytes / _GIB:>6.1f}{times} {candidate.step_seconds:>7.3f}"
               f"  {candidate.compared_with(fitting[0], costs=args.wide)}")
-    print("\n".join(textwrap.wrap(_ADVISOR_LEGEND, 100)))
+    print("\n".join(textwrap.wrap(f"{_EXPERTS_LEGEND} {_ADVISOR_LEGEND}" if experts else _ADVISOR_LEGEND, 100)))
     return 0
 
 
@@ -215,7 +221,10 @@ def _qlora(args: argparse.Namespace) -> NF4Format | None:
 def _run_plan(args: argparse.Namespace) -> int:
     experts = resolve_moe_config(args.model)
     if experts is not None:
-        return run_moe_plan(args, experts, args.seq_len or _DEFAULT_SEQ_LEN)
+        args.seq_len = args.seq_len or _DEFAULT_SEQ_LEN
+        if args.gpus is not None and not args.serve:
+            return _run_advisor(args, experts)
+        return run_moe_plan(args, experts, args.seq_len)
     config = resolve_model_config(args.model)
     if args.ep != 1:
         raise ValueError(f"--ep {args.ep} splits routed experts, but {args.model} has none; use --ep 1, or a"
@@ -274,18 +283,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         base = " in 4-bit NF4" if args.qlora else ""
         print(f"{_lora_words(args)[2:]}: trainable parameters per rank {trainable}; the rest frozen{base}"
               " (weights only, no gradients or optimizer state)")
-    unit, scale = _unit(training.peak_stage.total_bytes)
-    layers = {stage.stage: stage.layers_text for stage in training.stages}
-    width = max(9, *map(len, layers.values()))
-    print(f"{'stage':>5} {'layers':>{width}} {'params/rank':>14} {'weights':>9} {'grads':>9} {'optim':>9} "
-          f"{'activ':>9} {'total ' + unit:>9} {'mb':>5}")
-    for stage in training.stages:
-        sizes = (stage.weight_bytes, stage.gradient_bytes, stage.optimizer_bytes, stage.activation_bytes,
-                 stage.total_bytes)
-        print(f"{stage.stage:>5} {layers[stage.stage]:>{width}} {stage.parameters:>14,} "
-              + " ".join(f"{size / scale:9.2f}" for size in sizes) + f" {stage.in_flight_microbatches:>5g}")
-    print("(stage: a pp rank and its blocks; mb: the micro-batches whose activations it holds at once)")
-    print(f"peak per rank: {training.peak_stage.total_bytes / scale:.2f} {unit} (stage {training.peak_stage.stage})")
+    print("\n".join(memory_lines(training)))
     pp, m = layout.pipeline_parallel_size, layout.num_microbatches
     if pp > 1:
         more = _MICROBATCHES_PER_STAGE * pp
@@ -295,7 +293,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(f"  num_microbatches >= {_MICROBATCHES_PER_STAGE} x pp = {more} brings it to"
                   f" {schedule_bubble_fraction(args.schedule, pp, more, args.stages_per_rank):.0%}")
     print("\n".join(communication_lines(communication, bandwidth)))
-    unit, scale = _unit(max(serving.kv_bytes_total, *(option.weight_bytes_per_gpu for option in serving.options
+    unit, scale = byte_unit(max(serving.kv_bytes_total, *(option.weight_bytes_per_gpu for option in serving.options
                                                        if option.valid)))
     print(f"serving {serving.dtype}, pipeline stages merged:\nKV cache {serving.kv_bytes_per_token:,} B/token,"
           f" {serving.kv_bytes_per_sequence / scale:.2f} {unit} per {serving.seq_len}-token sequence,"

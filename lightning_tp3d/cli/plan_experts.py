@@ -1,7 +1,8 @@
-"""`tp3d plan` for a DeepSeek-V2 / V3 mixture-of-experts model (`plan.moe`): its parameters, what each rank
-holds (the routed experts apart) with its weights, gradients and optimizer state per stage, and the
-expert-parallel all-to-alls per step with their times; with `--serve`, vLLM servers with its expert
-parallelism (`cli.serving`).
+"""`tp3d plan` for a DeepSeek-V2 / V3 mixture-of-experts model: its parameters, each pp rank's memory
+(`plan.moe_training`: weights, gradients and optimizer state with the routed experts over E, FSDP2's gathered
+units, the activations) and the step's traffic over tp, pp, dp and the expert groups with their times
+(`plan.moe_communication`); with `--serve`, vLLM servers with its expert parallelism (`cli.serving`). The
+layout advisor (`--gpus`) is `cli.plan`'s, over the expert-parallel sizes too.
 
     tp3d plan deepseek-v3 --tp 8 --pp 16 --dp 64 --ep 8 --num-microbatches 32 --precision bf16-mixed
     tp3d plan deepseek-v3 --serve --gpu-memory 141GiB --max-model-len 8192 --deploy-tp 8 16
@@ -14,22 +15,22 @@ import json
 from dataclasses import asdict
 
 from lightning_tp3d.cli.communication import GPUS_PER_NODE, communication_lines, given_bandwidths
+from lightning_tp3d.cli.memory import memory_lines
 from lightning_tp3d.cli.serving import print_serving_plan
-from lightning_tp3d.plan.communication import EXPERT_GROUP, group_bandwidths
+from lightning_tp3d.plan.communication import group_bandwidths
 from lightning_tp3d.plan.layout import ParallelLayout
-from lightning_tp3d.plan.moe import MoEModelConfig, expert_ledger, expert_model_memory
+from lightning_tp3d.plan.ledger import TrainingOptions
+from lightning_tp3d.plan.moe import MoEModelConfig
+from lightning_tp3d.plan.moe_communication import moe_communication_ledger
+from lightning_tp3d.plan.moe_training import moe_training_ledger
 from lightning_tp3d.plan.serving import serving_plan
 from lightning_tp3d.plan.units import parse_size
 
 __all__ = ["run_moe_plan"]
 
-_GIB = 1024**3
-
 
 def run_moe_plan(args: argparse.Namespace, config: MoEModelConfig, seq_len: int) -> int:
-    """A DeepSeek-V2 / V3 mixture-of-experts model: its parameters, each stage's weights, gradients and
-    optimizer state per rank, and the expert-parallel all-to-alls (`plan.moe`); its activations and tp / pp
-    / dp traffic are not computed yet (the dense ledgers are Llama-shaped)."""
+    """A DeepSeek-V2 / V3 mixture-of-experts model at the layout of `args` (module docstring)."""
     _refuse_what_is_not_planned(args)
     if args.serve:
         return _run_moe_serve_plan(args, config, seq_len)
@@ -37,20 +38,24 @@ def run_moe_plan(args: argparse.Namespace, config: MoEModelConfig, seq_len: int)
         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, data_parallel_size=args.dp,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches or args.pp,
         gradient_accumulation_steps=args.gradient_accumulation_steps, expert_parallel_size=args.ep)
-    ledger = expert_ledger(config, layout, seq_len, args.precision, args.schedule, args.stages_per_rank)
-    memory = expert_model_memory(config, layout, args.precision, args.dp_mode, args.schedule, args.stages_per_rank)
+    options = TrainingOptions(seq_len=seq_len, precision=args.precision, recompute=args.recompute,
+                              data_parallel_mode=args.dp_mode, schedule=args.schedule,
+                              stages_per_rank=args.stages_per_rank, recompute_method=args.recompute_method,
+                              recompute_num_layers=args.recompute_num_layers)
+    if args.gpus_per_node is not None:
+        layout.validate_cluster(args.gpus_per_node)
+    training = moe_training_ledger(config, layout, options)
+    communication = moe_communication_ledger(config, layout, options)
     bandwidth = group_bandwidths(layout, args.gpus_per_node or GPUS_PER_NODE, given_gbps=given_bandwidths(args))
     figures = {"parameters": config.num_parameters(), "active_parameters": config.active_parameters(),
                "routed_expert_parameters": config.routed_expert_parameters(),
                "routed_expert_parameters_per_rank": config.routed_expert_parameters_per_rank(args.ep)}
     if args.json:
-        ranks = [asdict(stage) | {"layers": [[layers.start, layers.stop] for layers in stage.layers],
-                                  "total_bytes": stage.total_bytes} for stage in memory]
-        print(json.dumps({"model": asdict(config), "layout": layout.to_dict(), **figures, "memory": ranks,
-                          "expert_communication": ledger.to_dict() | {
-                              "bandwidth_bytes_per_second": {EXPERT_GROUP: bandwidth[EXPERT_GROUP]},
-                              "seconds": [ledger.seconds(stage, bandwidth) for stage in range(len(ledger.stages))]}},
-                         indent=2))
+        print(json.dumps({"model": asdict(config), **figures, "training": training.to_dict(),
+                          "communication": communication.to_dict() | {
+                              "bandwidth_bytes_per_second": bandwidth,
+                              "seconds": [communication.seconds(stage, bandwidth)
+                                          for stage in range(len(communication.stages))]}}, indent=2))
         return 0
     print(f"model {args.model} (mixture of experts): {figures['parameters'] / 1e9:.1f}e9 parameters,"
           f" {figures['active_parameters'] / 1e9:.1f}e9 active per token; routed experts"
@@ -59,20 +64,13 @@ def run_moe_plan(args: argparse.Namespace, config: MoEModelConfig, seq_len: int)
           f" holds {config.n_routed_experts // args.ep} of each block's {config.n_routed_experts} routed experts,"
           f" {figures['routed_expert_parameters_per_rank'] / 1e9:.2f}e9 parameters (FSDP2 shards them, ZeRO-1"
           f" their optimizer state, over the {args.dp // args.ep} replicas of each expert group)")
-    print(f"micro-batches of {args.micro_batch_size} x {seq_len} tokens, {args.precision}; all-to-alls per MoE"
-          " block and micro-batch: expert counts, dispatch, combine, and both again in backward (uniform routing)")
-    print(f"memory per rank, {args.dp_mode} (weights, gradients, optimizer state; plan.moe.expert_model_memory)")
-    print(f"{'stage':>5} {'layers':>9} {'params/rank':>14} {'experts/rank':>14} {'weights':>9} {'grads':>9}"
-          f" {'optim':>9} {'total GiB':>9}")
-    for stage in memory:
-        layers = ",".join(f"{layers.start}-{layers.stop - 1}" for layers in stage.layers)
-        print(f"{stage.stage:>5} {layers:>9} {stage.parameters:>14,} {stage.expert_parameters:>14,}"
-              f" {stage.weight_bytes / _GIB:>9.2f} {stage.gradient_bytes / _GIB:>9.2f}"
-              f" {stage.optimizer_bytes / _GIB:>9.2f} {stage.total_bytes / _GIB:>9.2f}")
-    for line in communication_lines(ledger, bandwidth):
-        print(line)
-    print("not computed yet for mixture-of-experts models: activations and gathered FSDP2 units in memory, the"
-          " tp / pp / dp traffic, the layout advisor")
+    recompute = args.recompute if args.recompute == "none" else (
+        f"{args.recompute} ({args.recompute_method}, N={args.recompute_num_layers}; selective: self_attn)")
+    print(f"micro-batches of {args.micro_batch_size} x {seq_len} tokens, {args.precision}, recompute={recompute},"
+          f" dp mode={args.dp_mode}, schedule={args.schedule}; all-to-alls per MoE block and micro-batch: expert"
+          " counts, dispatch, combine, and both again in backward (uniform routing)")
+    print("\n".join(memory_lines(training)))
+    print("\n".join(communication_lines(communication, bandwidth)))
     return 0
 
 
@@ -89,10 +87,10 @@ def _run_moe_serve_plan(args: argparse.Namespace, config: MoEModelConfig, seq_le
 
 
 def _refuse_what_is_not_planned(args: argparse.Namespace) -> None:
-    """The flags whose figures this plan does not compute for a mixture-of-experts model yet: refused,
-    rather than a plan that silently ignores them."""
-    asked = {"--gpus (the advisor)": args.gpus is not None, "--plot": args.plot is not None,
-             "--lora-rank / --qlora": bool(args.lora_rank) or args.qlora, "--recompute": args.recompute != "none"}
+    """The flags whose figures this plan does not compute for a mixture-of-experts model: refused, rather
+    than a plan that silently ignores them."""
+    asked = {"--plot (without --gpus)": args.plot is not None,
+             "--lora-rank / --qlora": bool(args.lora_rank) or args.qlora}
     refused = [flag for flag, given in asked.items() if given]
     if refused:
         raise ValueError(f"{', '.join(refused)} with a mixture-of-experts model is not planned yet; plan it without"

@@ -36,12 +36,13 @@ Key = tuple[str, str, int, int]
 
 
 class TrafficRecorder:
-    """Counts this rank's collectives and sends per mesh group between `__enter__` and `__exit__`."""
+    """Counts this rank's collectives and sends per mesh group between `__enter__` and `__exit__`, the groups
+    of `mesh` and of any `more_meshes` (e.g. the experts' ("edp", "ep") mesh) by their dimension names."""
 
-    def __init__(self, mesh: DeviceMesh) -> None:
-        names = mesh.mesh_dim_names or ()
-        self._descriptions = {f"mesh_{name}": name for name in names} | {"default_pg": "world"}
-        self._groups = {id(mesh.get_group(name)): name for name in names}
+    def __init__(self, mesh: DeviceMesh, *more_meshes: DeviceMesh) -> None:
+        named = [(each, name) for each in (mesh, *more_meshes) for name in each.mesh_dim_names or ()]
+        self._descriptions = {f"mesh_{name}": name for _, name in named} | {"default_pg": "world"}
+        self._groups = {id(each.get_group(name)): name for each, name in named}
         self.transfers: collections.Counter[Key] = collections.Counter()
         self.control: collections.Counter[Key] = collections.Counter()
         self._last_record = -1

@@ -39,7 +39,7 @@ dp `fsdp` (FSDP2, one unit per block plus one for the stage's other parameters):
     gathered; measured with 1F1B). A QLoRA block (`qlora`) gathers its 4-bit projections as NF4 bytes
     (`plan.qlora.nf4_all_gather_bytes` of each shard), in one byte-typed all-gather with the rest.
     gloo runs a reduce-scatter as an all-reduce of the whole input (its flight recorder says so), so
-    the ledger counts an all-reduce of the same payload there (`backend="gloo"`, `_reduce_scatter_on`).
+    the ledger counts an all-reduce of the same payload there (`backend="gloo"`, `reduce_scatter_on`).
 dp `zero1` (`parallel.data_parallel.zero`): once per step, after backward, per bucket of `plan.optimizer_sharding`
     (d segments of S elements): a reduce-scatter of d S gradient elements (on gloo an all-reduce), and
     after the update an all-gather of the rank's S parameter elements. Sum over buckets: d S >= P_i,
@@ -75,11 +75,13 @@ from lightning_tp3d.plan.recompute import recomputed_layers
 from lightning_tp3d.plan.schedules import rank_stages
 from lightning_tp3d.plan.sharding import EMBEDDING, FINAL_NORM, HEAD, LAYER_WEIGHTS, WeightSplit
 
-__all__ = ["BUCKET_BYTES", "DEFAULT_LINKS_GBPS", "EXPERT_GROUP", "GROUPS", "CommunicationLedger", "Transfer",
-           "activation_bytes", "communication_ledger", "group_bandwidths", "groups_inside_a_node"]
+__all__ = ["BUCKET_BYTES", "DEFAULT_LINKS_GBPS", "EXPERT_DATA_GROUP", "EXPERT_GROUP", "GROUPS", "CommunicationLedger",
+           "Transfer", "activation_bytes", "communication_ledger", "fsdp_shard_elements", "group_bandwidths",
+           "groups_inside_a_node", "reduce_scatter_on", "replicate_buckets", "zero_transfers"]
 
 GROUPS = ("tp", "pp", "dp")
-EXPERT_GROUP = "ep"  # an expert-parallel group (`plan.moe.expert_ledger`): tp x E consecutive ranks
+EXPERT_GROUP = "ep"  # an expert-parallel group (`plan.moe.expert_ledger`): E dp ranks of one tp and pp rank
+EXPERT_DATA_GROUP = "edp"  # the d = dp / E replicas of an expert, over which its gradients are averaged
 BUCKET_BYTES = 25 * 2**20  # the overlapped replicate reduction's bucket size, DDP's default bucket_cap_mb
 # Bus bandwidth of a link (GB/s, 10^9 bytes), `tp3d doctor`'s floors: NVLink inside a node, InfiniBand across.
 DEFAULT_LINKS_GBPS = {"intra_node": 100.0, "inter_node": 10.0}
@@ -165,7 +167,7 @@ def _local_shape(weight: WeightSplit, config: ModelConfig, tp: int) -> tuple[int
     return tuple(shape)
 
 
-def _fsdp_shard(shapes: list[tuple[int, ...]], dp: int) -> int:
+def fsdp_shard_elements(shapes: list[tuple[int, ...]], dp: int) -> int:
     """Elements of one dp rank's FSDP2 shard of a unit: each parameter's dim 0 padded to a multiple of d."""
     return sum(-(-shape[0] // dp) * math.prod(shape[1:]) for shape in shapes)
 
@@ -176,12 +178,12 @@ def _gathered_block(layer_shapes: list[tuple[int, ...]], lora_shapes: list[tuple
     order, then the LoRA factors) in the parameters' dtype, or for a QLoRA block, bytes: the NF4
     projections' packed parts and the rest together (FSDP2 gathers mixed dtypes as one byte buffer)."""
     if qlora is None:
-        return _fsdp_shard(layer_shapes + lora_shapes, dp), element_bytes
+        return fsdp_shard_elements(layer_shapes + lora_shapes, dp), element_bytes
     quantized = [weight in QUANTIZED_LAYER_WEIGHTS for weight in LAYER_WEIGHTS]
     dense = [shape for shape, packed in zip(layer_shapes, quantized) if not packed] + lora_shapes
     packed_bytes = sum(nf4_all_gather_bytes(math.prod(shape) // dp, element_bytes, qlora)
                        for shape, packed in zip(layer_shapes, quantized) if packed)
-    return _fsdp_shard(dense, dp) * element_bytes + packed_bytes, 1
+    return fsdp_shard_elements(dense, dp) * element_bytes + packed_bytes, 1
 
 
 def _registration_order(root_shapes: list[tuple[int, ...]], layer_shapes: list[tuple[int, ...]],
@@ -192,7 +194,7 @@ def _registration_order(root_shapes: list[tuple[int, ...]], layer_shapes: list[t
     return roots[:1] + sizes + roots[1:]
 
 
-def _buckets(sizes: list[int], element_bytes: int) -> list[int]:
+def replicate_buckets(sizes: list[int], element_bytes: int) -> list[int]:
     """Elements of each bucket: parameters taken in reverse order, a bucket closed when the next parameter
     would take it over `BUCKET_BYTES` (`parallel.data_parallel.overlap.OverlappedGradientReduction`)."""
     buckets: list[int] = []
@@ -203,22 +205,22 @@ def _buckets(sizes: list[int], element_bytes: int) -> list[int]:
     return buckets
 
 
-def _reduce_scatter_on(backend: str) -> str:
+def reduce_scatter_on(backend: str) -> str:
     """The collective a reduce-scatter is on the wire: gloo's `reduce_scatter_single` all-reduces the whole
     input and keeps the rank's segment (torch 2.13: its flight recorder records `all_reduce` of d S)."""
     return "all_reduce" if backend == "gloo" else "reduce_scatter"
 
 
-def _zero_transfers(trained: list[tuple[tuple[int, ...], int | None]], dp: int, element_bytes: int,
-                    backend: str) -> list[Transfer]:
+def zero_transfers(trained: list[tuple[tuple[int, ...], int | None]], dp: int, element_bytes: int,
+                   backend: str, group: str = "dp") -> list[Transfer]:
     """`zero1`'s buckets for a stage: the parameters it trains (local shape, tp's split dim) in registration
-    order, each cut over dp."""
+    order, each cut over the `dp` ranks of `group`."""
     parts = [part_sizes(shape, tp_dim, dp) for shape, tp_dim in trained]
-    reduce = _reduce_scatter_on(backend)
+    reduce = reduce_scatter_on(backend)
     transfers = []
     for bucket in pack_buckets(parts, dp, element_bytes, BUCKET_BYTES):
-        transfers.append(Transfer("dp", reduce, 1, bucket.payload(dp), element_bytes, "gradients, one bucket"))
-        transfers.append(Transfer("dp", "all_gather", 1, bucket.segment, element_bytes, "updated parameter parts"))
+        transfers.append(Transfer(group, reduce, 1, bucket.payload(dp), element_bytes, "gradients, one bucket"))
+        transfers.append(Transfer(group, "all_gather", 1, bucket.segment, element_bytes, "updated parameter parts"))
     return transfers
 
 
@@ -270,7 +272,6 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
         if dp > 1:
             before = [EMBEDDING] if first else []  # registered before the blocks, and after them
             after = ([FINAL_NORM] + ([] if config.tie_word_embeddings and first else [HEAD])) if last else []
-            root_shapes = [_local_shape(weight, config, tp) for weight in before + after]
 
             def trained_roots(weights: list[WeightSplit]) -> list[tuple[tuple[int, ...], int | None]]:
                 return [] if lora else [(_local_shape(weight, config, tp), weight.dim if tp > 1 else None)
@@ -278,20 +279,20 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
 
             trained_root_shapes = [shape for shape, _ in trained_roots(before + after)]
             if reduction is GradientReduction.OVERLAPPED_ALL_REDUCE:
-                buckets = _buckets(_registration_order(trained_root_shapes, trained_layer_shapes, len(layers)),
-                                   stream)
+                buckets = replicate_buckets(
+                    _registration_order(trained_root_shapes, trained_layer_shapes, len(layers)), stream)
                 for index, elements in enumerate(buckets):  # all but the last launched overlap with backward
                     transfers.append(Transfer("dp", "all_reduce", 1, elements, stream, "gradients, one bucket",
                                               hideable=index < len(buckets) - 1))
             elif reduction is GradientReduction.REDUCE_SCATTER:
                 trained = trained_roots(before) + trained_layer * len(layers) + trained_roots(after)
-                transfers.extend(_zero_transfers(trained, dp, stream, backend))
+                transfers.extend(zero_transfers(trained, dp, stream, backend))
             elif reduction is GradientReduction.ALL_REDUCE:
                 elements = len(layers) * sum(math.prod(shape) for shape in trained_layer_shapes)
                 elements += sum(math.prod(shape) for shape in trained_root_shapes)
                 transfers.append(Transfer("dp", "all_reduce", 1, elements, stream, "gradients, after backward"))
             elif reduction is GradientReduction.FULLY_SHARDED:
-                reduce = _reduce_scatter_on(backend)
+                reduce = reduce_scatter_on(backend)
                 steps = layout.gradient_accumulation_steps  # FSDP2 reduces after every accumulated batch
                 gathers = steps * ((layout.num_microbatches + 1 if pp > 1 else 2) if data_parallel.reshard_after_forward
                                    else 1)
@@ -299,15 +300,19 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
                 units: list[tuple[tuple[int, int], list[tuple[int, ...]], str]] = [
                     (_gathered_block(layer_shapes, [shape for shape, _ in lora], dp, stream, options.qlora),
                      trained_layer_shapes, f"block {index}") for index in layers]
-                if root_shapes:
-                    units.append(((_fsdp_shard(root_shapes, dp), stream), trained_root_shapes,
-                                  "stage root (embedding / norm / head)"))
+                # a stage's own parameters are one unit: one with the first and last stage, two on a V's first rank
+                for root in [before + after] if pp == 1 else [before, after]:
+                    if root:
+                        shapes = [_local_shape(weight, config, tp) for weight in root]
+                        units.append(((fsdp_shard_elements(shapes, dp), stream),
+                                      [shape for shape, _ in trained_roots(root)],
+                                      "stage root (embedding / norm / head)"))
                 for (elements, element_bytes), trained_shapes, name in units:
                     transfers.append(Transfer("dp", "all_gather", gathers, elements, element_bytes,
                                               f"parameters of {name}", hideable=True))
                     if trained_shapes:  # FSDP2 reduce-scatters the gradients that exist
-                        transfers.append(Transfer("dp", reduce, steps, _fsdp_shard(trained_shapes, dp) * dp, stream,
-                                                  f"gradients of {name}", hideable=True))
+                        transfers.append(Transfer("dp", reduce, steps, fsdp_shard_elements(trained_shapes, dp) * dp,
+                                                  stream, f"gradients of {name}", hideable=True))
         stages.append(transfers)
     return CommunicationLedger({"tp": tp, "pp": pp, "dp": dp}, stages)
 
@@ -315,11 +320,12 @@ def communication_ledger(config: ModelConfig, layout: ParallelLayout, options: T
 def groups_inside_a_node(layout: ParallelLayout, gpus_per_node: int) -> dict[str, bool]:
     """Whether each group's ranks share a node. Ranks are numbered over the ("pp", "dp", "tp") mesh with tp
     innermost, so a tp group spans t consecutive ranks, a dp group t d, a pp group the whole world, and an
-    expert-parallel group (with E > 1) t E (E consecutive dp indices)."""
+    expert-parallel group (with E > 1) t E (E consecutive dp indices) and an expert's replicas t d."""
     tp, dp = layout.tensor_parallel_size, layout.data_parallel_size
     spans = {"tp": tp, "dp": tp * dp, "pp": layout.world_size}
     if layout.expert_parallel_size > 1:
         spans[EXPERT_GROUP] = tp * layout.expert_parallel_size
+        spans[EXPERT_DATA_GROUP] = tp * dp
     return {group: span <= gpus_per_node and gpus_per_node % span == 0 for group, span in spans.items()}
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,23 +126,38 @@ class MoEModelConfig:
         return (embedding * input_embedding + self.first_k_dense_replace * dense + self.moe_layers * moe + h
                 + head)
 
-    def block_parameters_per_rank(self, layer: int, tensor_parallel_size: int, expert_parallel_size: int
-                                  ) -> tuple[int, int]:
-        """(parameters, routed-expert parameters) of block `layer` on one rank, split as `models.deepseek`'s
-        plan splits them: the head-wise projections (`q_b_proj` or `q_proj`, `kv_b_proj`, `o_proj`), the
-        dense MLP and the shared experts over tp; the latents (`q_a_proj`, `kv_a_proj_with_mqa`), their norms,
-        the block's norms and the router replicated; the routed experts over E, whole over tp."""
+    def block_tensors(self, layer: int, tensor_parallel_size: int) -> list[tuple[tuple[int, ...], int | None]]:
+        """Block `layer`'s parameters on one tp rank but its routed experts, as (local shape, the dim tp splits
+        or None), in the order transformers registers them; split as `models.deepseek`'s plan splits them:
+        the head-wise projections (`q_b_proj` or `q_proj`, `kv_b_proj`, `o_proj`), the dense MLP and the
+        shared experts over tp (column parallel along dim 0, row parallel along dim 1); the latents
+        (`q_a_proj`, `kv_a_proj_with_mqa`), their norms, the block's norms and the router replicated."""
         h, a, r_kv, t = self.hidden_size, self.num_attention_heads, self.kv_lora_rank, tensor_parallel_size
         query_width = a * (self.qk_nope_head_dim + self.qk_rope_head_dim)
-        replicated = 0 if self.q_lora_rank is None else (h + 1) * self.q_lora_rank
-        split = h * query_width if self.q_lora_rank is None else self.q_lora_rank * query_width
-        replicated += h * (r_kv + self.qk_rope_head_dim) + r_kv + 2 * h
-        split += r_kv * a * (self.qk_nope_head_dim + self.v_head_dim) + a * self.v_head_dim * h
+        if self.q_lora_rank is None:
+            query = [((query_width // t, h), 0)]
+        else:
+            query = [((self.q_lora_rank, h), None), ((self.q_lora_rank,), None),
+                     ((query_width // t, self.q_lora_rank), 0)]
+        attention = query + [((r_kv + self.qk_rope_head_dim, h), None), ((r_kv,), None),
+                             ((a * (self.qk_nope_head_dim + self.v_head_dim) // t, r_kv), 0),
+                             ((h, a * self.v_head_dim // t), 1)]
         if layer < self.first_k_dense_replace:
-            return replicated + (split + 3 * h * self.intermediate_size) // t, 0
-        split += self.n_shared_experts * self.expert_parameters()
-        replicated += self.n_routed_experts * h
-        return replicated + split // t, self.routed_expert_parameters_per_rank(expert_parallel_size) // self.moe_layers
+            width, router = self.intermediate_size // t, []
+        else:
+            width = self.n_shared_experts * self.moe_intermediate_size // t
+            router = [((self.n_routed_experts, h), None)]
+        mlp = router + [((width, h), 0), ((width, h), 0), ((h, width), 1)]
+        return attention + mlp + [((h,), None), ((h,), None)]
+
+    def block_parameters_per_rank(self, layer: int, tensor_parallel_size: int, expert_parallel_size: int
+                                  ) -> tuple[int, int]:
+        """(parameters, routed-expert parameters) of block `layer` on one rank (`block_tensors`; the routed
+        experts over E, whole over tp)."""
+        dense = sum(math.prod(shape) for shape, _ in self.block_tensors(layer, tensor_parallel_size))
+        if layer < self.first_k_dense_replace:
+            return dense, 0
+        return dense, self.routed_expert_parameters_per_rank(expert_parallel_size) // self.moe_layers
 
     def num_parameters(self) -> int:
         """Every parameter (see the module docstring)."""

@@ -18,6 +18,8 @@ buckets from `pack_buckets`, so the ledger counts the same calls and payloads th
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,16 +37,15 @@ def chunk_sizes(length: int, parts: int) -> list[int]:
     return [max(0, min(size, length - rank * size)) for rank in range(parts)]
 
 
-def part_sizes(shape: Sequence[int], tp_dim: int | None, dp: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)  # the planner asks for the same few shapes for every block and layout
+def part_sizes(shape: tuple[int, ...], tp_dim: int | None, dp: int) -> tuple[int, ...]:
     """Elements of each dp rank's part of a tp-local parameter of `shape` (the whole for an uncut one)."""
     dim = dp_split_dim(shape, tp_dim)
-    total = 1
-    for size in shape:
-        total *= size
+    total = math.prod(shape)
     if dim is None:
-        return [total] * dp
+        return (total,) * dp
     rest = total // shape[dim] if shape[dim] else 0
-    return [size * rest for size in chunk_sizes(shape[dim], dp)]
+    return tuple(size * rest for size in chunk_sizes(shape[dim], dp))
 
 
 @dataclass(frozen=True)

@@ -40,24 +40,48 @@ def test_plan_refuses_bad_layout_with_one_line(capsys):
     assert "Unknown model 'no-such-model'" in capsys.readouterr().err
 
 
-def test_plan_of_a_mixture_of_experts_model_prints_the_expert_all_to_alls(capsys):
-    """`plan.moe`'s figures through the command line (hand-checked in tests/plan/test_moe.py); --ep on a dense
-    model is refused."""
+def test_plan_of_a_mixture_of_experts_model_prints_its_ledgers(capsys):
+    """`plan.moe_training`'s memory and `plan.moe_communication`'s traffic through the command line (hand-checked
+    in tests/plan/test_moe_training.py, measured in tests/models/test_deepseek.py); --ep on a dense model and
+    what the MoE plan does not count are refused."""
     arguments = ["plan", "deepseek-v3", "--tp", "8", "--pp", "16", "--dp", "64", "--ep", "8", "--num-microbatches",
-                 "32", "--precision", "bf16-mixed"]
+                 "32", "--precision", "bf16-mixed", "--recompute", "full"]
     assert main([*arguments, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["routed_expert_parameters_per_rank"] == 10_217_324_544 * 8
-    stages = report["expert_communication"]["stages"]
-    assert stages[0]["per_group"]["ep"]["calls"] == 0 and stages[15]["per_group"]["ep"]["calls"] == 32 * 3 * 5
+    stages = report["communication"]["stages"]
+    assert stages[0]["per_group"]["ep"]["calls"] == 0
+    assert stages[15]["per_group"]["ep"]["calls"] == 32 * 3 * (5 + 3)  # full recompute replays 3 per block
+    assert set(stages[15]["per_group"]) == {"tp", "pp", "dp", "ep", "edp"}
+    memory = report["training"]["stages"]
+    assert [stage["in_flight_microbatches"] for stage in memory] == list(range(16, 0, -1))
+    assert all(stage["activation_bytes"] > 0 for stage in memory)
     assert main(arguments) == 0
     out = capsys.readouterr().out
     assert "671.0e9 parameters, 36.6e9 active" in out and "32 of each block's 256 routed experts" in out
+    assert "   15     58-60 " in out and "peak per rank:" in out and "   15   edp " in out
     assert main(["plan", "deepseek-llm-7b", "--ep", "2"]) == 2
     assert "--ep 2 splits routed experts, but deepseek-llm-7b has none" in capsys.readouterr().err
-    assert main(["plan", "deepseek-v3", "--plot", "plan.png", "--recompute", "full"]) == 2
-    assert ("--plot, --recompute with a mixture-of-experts model is not planned yet; plan it without them"
-            in capsys.readouterr().err)
+    assert main(["plan", "deepseek-v3", "--plot", "plan.png", "--lora-rank", "8"]) == 2
+    assert ("--plot (without --gpus), --lora-rank / --qlora with a mixture-of-experts model is not planned yet;"
+            " plan it without them" in capsys.readouterr().err)
+
+
+def test_the_advisor_ranks_expert_parallel_layouts_of_a_mixture_of_experts_model(capsys):
+    """`tp3d plan MODEL --gpus N` for DeepSeek-V2-Lite searches the expert-parallel sizes too (dividing dp and the
+    64 experts), prints them in an ep column, and refuses a LoRA fine-tune it does not count."""
+    arguments = ["plan", "deepseek-v2-lite", "--gpus", "16", "--gpu-memory", "80GiB", "--global-batch-size", "64",
+                 "--precision", "bf16-mixed"]
+    assert main([*arguments, "--json"]) == 0
+    candidates = json.loads(capsys.readouterr().out)
+    sizes = {(row["data_parallel_size"], row["expert_parallel_size"]) for row in candidates}
+    assert {(16, 16), (16, 8), (16, 1), (8, 8), (2, 2), (1, 1)} <= sizes
+    assert all(dp % ep == 0 for dp, ep in sizes)
+    assert main([*arguments, "--wide"]) == 0
+    header = capsys.readouterr().out.splitlines()[2].split()
+    assert header[:5] == ["#", "tp", "pp", "dp", "ep"] and header[-10:-5] == ["tp", "pp", "dp", "ep", "edp"]
+    assert main([*arguments, "--lora-rank", "8"]) == 2
+    assert "the mixture-of-experts plan counts full training only" in capsys.readouterr().err
 
 
 def test_plan_serve_of_a_mixture_of_experts_model_prints_expert_parallel_servers(capsys):

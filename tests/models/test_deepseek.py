@@ -49,7 +49,9 @@ from lightning_tp3d.models.families import resolve_model_adapter
 from lightning_tp3d.parallel.experts import is_expert_parameter
 from lightning_tp3d.parallel.tensor import SharedAcrossHeads, local_part
 from lightning_tp3d.plan.layout import ParallelLayout
+from lightning_tp3d.plan.ledger import TrainingOptions
 from lightning_tp3d.plan.moe import MoEModelConfig, expert_ledger
+from lightning_tp3d.plan.moe_communication import moe_communication_ledger
 from tests.distributed import results_by_name
 from tests.helpers import (
     BF16_MIXED_GRADIENT_TOLERANCE,
@@ -97,8 +99,9 @@ class DeepseekModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
 
 
-class RecordExpertTraffic(Callback):
-    """What this rank hands to the collectives of its expert mesh's groups during the second step."""
+class RecordStepTraffic(Callback):
+    """What this rank hands to the collectives and sends of every group during the second step: the mesh's
+    tp, pp and dp, and with expert parallelism the expert mesh's ep and edp."""
 
     def __init__(self) -> None:
         self.recorder: TrafficRecorder | None = None
@@ -106,8 +109,8 @@ class RecordExpertTraffic(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
                              ) -> None:
         if batch_idx == 1:
-            expert = next(parameter for parameter in pl_module.parameters() if is_expert_parameter(parameter))
-            self.recorder = TrafficRecorder(expert.device_mesh).__enter__()
+            experts = [parameter.device_mesh for parameter in pl_module.parameters() if is_expert_parameter(parameter)]
+            self.recorder = TrafficRecorder(trainer.strategy.device_mesh, *experts[:1]).__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -178,8 +181,8 @@ def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool =
     strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=microbatches,
                             data_parallel_mode=mode, expert_parallel_size=experts, pipeline_schedule=schedule,
                             recompute=recompute, recompute_target="self_attn")
-    traffic = RecordExpertTraffic()
-    callbacks = [capture] + ([traffic] if experts > 1 else []) + ([consistency] if export else [])
+    traffic = RecordStepTraffic()
+    callbacks = [capture, traffic] + ([consistency] if export else [])
     if save:  # inside fit, at the last step
         callbacks.append(ModelCheckpoint(dirpath=directory, filename=name, every_n_train_steps=STEPS))
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger, callbacks=callbacks,
@@ -192,7 +195,7 @@ def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool =
     held = {key: tuple(local_part(parameter).shape) for key, parameter in trainer.lightning_module.named_parameters()
             if key.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     return {"losses": logger.values("train_loss"), "first_grads": capture.first_grads, "consistency": report,
-            "experts_held": held, "expert_traffic": traffic.transfers()}
+            "experts_held": held, "traffic": traffic.transfers()}
 
 
 FABRIC_RUN = "fabric-tp1-pp2-dp2-ep2-1f1b-replicate"
@@ -391,7 +394,7 @@ def test_the_all_to_all_traffic_is_the_ledgers(world_results, name):
     returned: dict[tuple[int, int], int] = {}
     step_bytes: dict[tuple[int, int], int] = {}
     for rank, result in enumerate(world_results[name]):
-        ep_traffic = {key: calls for key, calls in result["expert_traffic"].items() if key[0] == "ep"}
+        ep_traffic = {key: calls for key, calls in result["traffic"].items() if key[0] == "ep"}
         assert ep_traffic.pop(("ep", "all_to_all", exchange.counts, 8), 0) == blocks, (rank, ep_traffic)
         float_payloads = [(elements, calls) for (_, _, elements, size), calls in ep_traffic.items() if size == 4]
         assert len(ep_traffic) == len(float_payloads) and float_payloads, (rank, ep_traffic)
@@ -412,6 +415,30 @@ def test_the_all_to_all_traffic_is_the_ledgers(world_results, name):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("name", list(RUNS))
+def test_every_groups_traffic_is_the_moe_communication_ledgers(world_results, name):
+    """One step's collectives and sends of every rank, per group, against `plan.moe_communication`
+    (`tp3d plan` and the layout advisor for MoE models): over tp, pp, dp and edp each (operation, payload,
+    dtype) with exactly the ledger's calls; over ep the ledger's calls (the payloads follow the routing,
+    `test_the_all_to_all_traffic_is_the_ledgers`)."""
+    run = RUNS[name]
+    tp, pp, experts = run["tp"], run["pp"], run.get("experts", 1)
+    dp = len(world_results[name]) // (tp * pp)
+    m = run.get("microbatches", 2) if pp > 1 else 1
+    layout = ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                            micro_batch_size=GLOBAL_BATCH // dp // m, num_microbatches=m, expert_parallel_size=experts)
+    options = TrainingOptions(seq_len=SEQ_LEN, precision="32-true", data_parallel_mode=run["mode"],
+                              schedule=run.get("schedule", "1f1b"), recompute=run.get("recompute", "none"))
+    ledger = moe_communication_ledger(MoEModelConfig.from_dict(SHAPE), layout, options, backend="gloo")
+    for rank, result in enumerate(world_results[name]):
+        stage = rank // (tp * dp)
+        measured = {key: calls for key, calls in result["traffic"].items() if key[0] != "ep"}
+        predicted = {key: calls for key, calls in ledger.calls_by_transfer(stage).items() if key[0] != "ep"}
+        assert measured == predicted, (rank, measured, predicted)
+        assert _expert_calls(result) == ledger.totals(stage).get("ep", {"calls": 0})["calls"], rank
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(BF16_RUNS))
 def test_expert_parallel_in_bf16_mixed_matches_the_single_process_bf16_run(world_results, name):
     """Every gradient of the first step within `BF16_MIXED_GRADIENT_TOLERANCE` of the one-process bf16
@@ -421,7 +448,7 @@ def test_expert_parallel_in_bf16_mixed_matches_the_single_process_bf16_run(world
 
 
 def _expert_calls(result: dict[str, Any]) -> int:
-    return sum(calls for key, calls in result["expert_traffic"].items() if key[0] == "ep")
+    return sum(calls for key, calls in result["traffic"].items() if key[0] == "ep")
 
 
 @pytest.mark.distributed

@@ -51,7 +51,7 @@ def test_groups_inside_a_node_and_their_bandwidths():
         "tp": True, "dp": True, "pp": True}
     assert group_bandwidths(LAYOUT, 8, given_gbps={"dp": 40.0}) == {"tp": 100e9, "pp": 10e9, "dp": 40e9}
     experts = ParallelLayout(tensor_parallel_size=2, data_parallel_size=8, expert_parallel_size=4)
-    assert groups_inside_a_node(experts, 8) == {"tp": True, "dp": False, "pp": False, "ep": True}
+    assert groups_inside_a_node(experts, 8) == {"tp": True, "dp": False, "pp": False, "ep": True, "edp": False}
     assert groups_inside_a_node(experts, 4)["ep"] is False  # an ep group spans tp x E = 8 ranks
 
 

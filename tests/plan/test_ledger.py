@@ -71,6 +71,11 @@ def test_fsdp_divides_state_by_dp_and_recompute_keeps_layer_inputs():
         schedule="gpipe"))  # one micro-batch: GPipe (1F1B needs one per stage)
     assert [stage.num_layers for stage in first_of_stage.stages] == [2, 2]
     assert first_of_stage.stages[0].activation_bytes == (layer + 32 * 64) * 4 + (layer - 32 * 64) * 4
+    # with 4 micro-batches in flight (GPipe) each keeps its share; the recomputed layer comes back once
+    in_flight = training_ledger(config, ParallelLayout(pipeline_parallel_size=2, num_microbatches=4), TrainingOptions(
+        seq_len=32, precision="32-true", recompute="full", recompute_method="block", recompute_num_layers=1,
+        schedule="gpipe"))
+    assert in_flight.stages[0].activation_bytes == 4 * (layer + 32 * 64) * 4 + (layer - 32 * 64) * 4
 
 
 def test_bad_training_options():

@@ -175,3 +175,18 @@ def test_the_memory_per_rank_adds_up_to_the_model_and_shards_as_each_mode_says()
     cut = -(-fsdp.parameters // 4) + -(-fsdp.expert_parameters // 2)
     assert (fsdp.weight_bytes, fsdp.gradient_bytes, fsdp.optimizer_bytes) == (4 * cut, 4 * cut, 8 * cut)
     assert (zero1.weight_bytes, zero1.optimizer_bytes) == (4 * (zero1.parameters + zero1.expert_parameters), 8 * cut)
+
+
+@pytest.mark.parametrize("changes", [{}, dict(q_lora_rank=None, first_k_dense_replace=0, n_shared_experts=2)])
+def test_block_tensors_are_transformers_parameters_in_their_order(changes):
+    """`block_tensors` at tp 1: each block's parameters but the routed experts, shapes in registration order
+    (the order FSDP2, the replicate buckets and ZeRO-1's buckets take them in); at tp 2 the split dims halve."""
+    config = transformers.DeepseekV3Config(**(TINY | changes))
+    model = transformers.DeepseekV3ForCausalLM(config)
+    shape = MoEModelConfig.from_dict(config.to_dict())
+    for layer, block in enumerate(model.model.layers):
+        expected = [tuple(parameter.shape) for name, parameter in block.named_parameters() if ".experts." not in name]
+        assert [tensor for tensor, _ in shape.block_tensors(layer, 1)] == expected, layer
+        for (whole, dim), (split, _) in zip(shape.block_tensors(layer, 1), shape.block_tensors(layer, 2)):
+            assert split == (whole if dim is None else tuple(size // 2 if index == dim else size
+                                                            for index, size in enumerate(whole)))

@@ -176,7 +176,7 @@ def test_each_rank_keeps_state_for_its_part_and_the_parts_tile_every_parameter(r
     shapes = {name: tuple(value.shape) for name, value in references["plain"]["final_params"].items()}
     for name, shape in shapes.items():
         elements = [result["1-1-4-clip"]["state_elements"][name] for result in runs]
-        assert elements == part_sizes(shape, None, WORLD), name
+        assert tuple(elements) == part_sizes(shape, None, WORLD), name
         assert sum(elements) == torch.Size(shape).numel(), name
     total = sum(torch.Size(shape).numel() for shape in shapes.values())
     assert sum(runs[0]["1-1-4-clip"]["state_elements"].values()) <= total / WORLD + 2 * len(shapes) * 64
@@ -187,8 +187,8 @@ def test_torch_chunk_sizes_are_the_parts():
         expected = [len(piece) for piece in torch.arange(length).chunk(parts)] if length else []
         sizes = chunk_sizes(length, parts)
         assert sizes[:len(expected)] == expected and not any(sizes[len(expected):]), (length, parts)
-    assert part_sizes((8, 6), 0, 2) == [24, 24]  # column-parallel: dp cuts dim 1
-    assert part_sizes((6,), 0, 4) == [6, 6, 6, 6]  # a tp-split bias is not cut
+    assert part_sizes((8, 6), 0, 2) == (24, 24)  # column-parallel: dp cuts dim 1
+    assert part_sizes((6,), 0, 4) == (6, 6, 6, 6)  # a tp-split bias is not cut
     buckets = pack_buckets([[3, 3], [2, 1], [10, 10]], dp=2, element_bytes=4, bucket_bytes=4 * 2 * 5)
     assert [(bucket.indices, bucket.segment) for bucket in buckets] == [((0, 1), 5), ((2,), 10)]
 
