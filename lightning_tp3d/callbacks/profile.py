@@ -51,6 +51,7 @@ from lightning_tp3d.parallel.labels import STEP, CommunicationLabels
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.ledger import TrainingOptions
 from lightning_tp3d.plan.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS
+from lightning_tp3d.plan.moe import MoEModelConfig, planner_config
 
 __all__ = ["StepProfiler"]
 
@@ -316,14 +317,11 @@ def _token_shape(batch: Any) -> tuple[int, int]:
     return 1, 0
 
 
-def _model_config(strategy: Any) -> ModelConfig | None:
-    """The network's shape as the planner reads it (the checkpoint's record of it); None where the
-    network has no decoder shape the planner knows."""
+def _model_config(strategy: Any) -> ModelConfig | MoEModelConfig | None:
+    """The network's shape as the planner reads it (the checkpoint's record of it, `plan.moe.planner_config`);
+    None where the network has no shape the planner models."""
     record = strategy.core.model_adapter_of(strategy.network).config_record(strategy.network)
-    try:
-        return ModelConfig.from_dict(record) if record else None
-    except (TypeError, ValueError):
-        return None
+    return planner_config(record) if record else None
 
 
 def _command_line() -> list[str]:

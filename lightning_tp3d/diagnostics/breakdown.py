@@ -136,11 +136,12 @@ def step_components(segments: Sequence[tuple[float, float, str]], start: float, 
 
 
 def predicted_components(candidate: LayoutCandidate) -> dict[str, float]:
-    """The advisor's figures for a layout, by the component each predicts."""
+    """The advisor's figures for a layout, by the component each predicts (an MoE model's expert gradient
+    reduction, "edp", with the dp communication; its all-to-alls have no component of their own)."""
     exposed = candidate.exposed_seconds
     return {"compute": candidate.compute_seconds, "tp collectives": exposed.get("tp", 0.0),
             "pipeline send/recv": exposed.get("pp", 0.0), "pipeline idle": candidate.bubble_seconds,
-            "dp communication": exposed.get("dp", 0.0)}
+            "dp communication": exposed.get("dp", 0.0) + exposed.get("edp", 0.0)}
 
 
 def rules_of_thumb(components: dict[str, float], step_seconds: float, pipeline_idle_theory: float | None,

@@ -21,11 +21,11 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from lightning_tp3d.diagnostics.breakdown import COMPONENTS, predicted_components, rules_of_thumb
-from lightning_tp3d.plan.advisor import Cluster, evaluate_layout
-from lightning_tp3d.plan.communication import communication_ledger
+from lightning_tp3d.plan.advisor import Cluster, evaluate_layout, plan_ledgers
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions
+from lightning_tp3d.plan.moe import MoEModelConfig
 from lightning_tp3d.plan.schedules import bubble_fraction
 
 __all__ = ["build_report", "prediction_cluster", "report_table"]
@@ -34,7 +34,7 @@ _LOTS_OF_MEMORY = 1 << 60  # the prediction is about time; every layout "fits"
 
 
 def prediction_cluster(world_size: int, gpus_per_node: int, device_type: str, cluster_options: dict[str, Any],
-                       measured_compute: float, config: ModelConfig, layout: ParallelLayout,
+                       measured_compute: float, config: ModelConfig | MoEModelConfig, layout: ParallelLayout,
                        options: TrainingOptions, global_batch: int) -> tuple[Cluster, str]:
     """The cluster the advisor predicts this run on, and how its compute rate was chosen: `peak_tflops` x
     `mfu` as given (defaults: `Cluster`'s), or on a CPU without a given peak, the rate at which the advisor's
@@ -57,10 +57,10 @@ def _mean_components(ranks: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {name: statistics.fmean(rank["components"][name] for rank in ranks) for name in COMPONENTS}
 
 
-def build_report(ranks: Sequence[dict[str, Any]], *, config: ModelConfig | None, layout: ParallelLayout,
-                 options: TrainingOptions, global_batch: int, schedule: str, device_type: str, backend: str,
-                 gpus_per_node: int, cluster_options: dict[str, Any], warmup_steps: int, steps: int,
-                 command: Sequence[str]) -> dict[str, Any]:
+def build_report(ranks: Sequence[dict[str, Any]], *, config: ModelConfig | MoEModelConfig | None,
+                 layout: ParallelLayout, options: TrainingOptions, global_batch: int, schedule: str,
+                 device_type: str, backend: str, gpus_per_node: int, cluster_options: dict[str, Any],
+                 warmup_steps: int, steps: int, command: Sequence[str]) -> dict[str, Any]:
     """breakdown.json (see the module docstring) from every rank's breakdown, ordered by rank."""
     ranks = sorted((dict(rank) for rank in ranks), key=lambda rank: rank["rank"])
     for rank in ranks:
@@ -83,7 +83,7 @@ def build_report(ranks: Sequence[dict[str, Any]], *, config: ModelConfig | None,
                                            config, layout, options, global_batch)
         candidate = evaluate_layout(config, cluster, layout, options, global_batch)
         prediction = predicted_components(candidate)
-        ledger = communication_ledger(config, layout, options, backend=backend)
+        ledger = plan_ledgers(config, layout, options, backend)[1]
         for rank in ranks:
             rank["ledger_dp_bytes"] = ledger.totals(rank["coordinates"]["pp"])["dp"]["payload_bytes"]
         report["prediction"] = {"components": prediction, "step_seconds": candidate.step_seconds,

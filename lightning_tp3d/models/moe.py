@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from torch import nn
 
@@ -32,9 +31,8 @@ from lightning_tp3d.models.huggingface import (
     is_huggingface_causal_lm,
 )
 from lightning_tp3d.parallel.tensor import TensorParallelPlan
-from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 
-__all__ = ["HuggingFaceMoEAdapter", "check_router_loss", "has_fused_experts", "moe_tp_plan"]
+__all__ = ["HuggingFaceMoEAdapter", "has_fused_experts", "moe_tp_plan"]
 
 _MLP_PATTERN = "model.layers.*.mlp"
 
@@ -96,19 +94,3 @@ class HuggingFaceMoEAdapter(HuggingFaceCausalLMAdapter):
     def routed_experts(self, blocks: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
         """Each MoE block's `mlp.experts` (the dense blocks have none)."""
         return [(block.mlp, "experts") for block in blocks if has_fused_experts(block)]
-
-
-def check_router_loss(config: Any | None, layout: ParallelLayout) -> None:
-    """A mixture of experts' auxiliary load-balancing loss (transformers' `output_router_logits=True`:
-    N sum_e f_e P_e, the tokens' share routed to expert e times its mean router probability) is a function of
-    the whole batch's routing: computed on each dp rank's share it is another loss than one process's, and
-    pipeline stages pass on hidden states, not router logits. Refused there until the statistics are summed
-    over the batch."""
-    sizes = {"data_parallel_size": layout.data_parallel_size, "pipeline_parallel_size": layout.pipeline_parallel_size}
-    split = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
-    if getattr(config, "output_router_logits", False) and split:
-        raise LayoutError(
-            f"output_router_logits=True (the auxiliary load-balancing loss) with {split} is not supported yet:"
-            " the loss depends on the whole batch's routing, which no rank sees (and pipeline stages do not carry"
-            " router logits); set model.config.output_router_logits = False, or train at"
-            " data_parallel_size = pipeline_parallel_size = 1.")

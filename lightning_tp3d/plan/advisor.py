@@ -43,7 +43,7 @@ from lightning_tp3d.plan.moe_communication import moe_communication_ledger
 from lightning_tp3d.plan.moe_training import check_moe_options, moe_training_flops_per_token, moe_training_ledger
 from lightning_tp3d.plan.qlora import NF4Format
 
-__all__ = ["Cluster", "LayoutCandidate", "advise", "evaluate_layout"]
+__all__ = ["Cluster", "LayoutCandidate", "advise", "evaluate_layout", "plan_ledgers"]
 
 
 @dataclass(frozen=True)
@@ -139,13 +139,15 @@ def _divisors(value: int) -> list[int]:
     return [candidate for candidate in range(1, value + 1) if value % candidate == 0]
 
 
-def _ledgers(config: ModelConfig | MoEModelConfig, layout: ParallelLayout, options: TrainingOptions
-             ) -> tuple[TrainingLedger, CommunicationLedger, int]:
-    """The memory and communication ledgers and the training FLOPs per token of `config`, dense or MoE."""
+def plan_ledgers(config: ModelConfig | MoEModelConfig, layout: ParallelLayout, options: TrainingOptions,
+                 backend: str = "nccl") -> tuple[TrainingLedger, CommunicationLedger, int]:
+    """The memory and communication ledgers (collectives as `backend` runs them) and the training FLOPs per
+    token of `config`, a dense decoder or a DeepSeek mixture of experts."""
     if isinstance(config, MoEModelConfig):
-        return (moe_training_ledger(config, layout, options), moe_communication_ledger(config, layout, options),
+        return (moe_training_ledger(config, layout, options),
+                moe_communication_ledger(config, layout, options, backend),
                 moe_training_flops_per_token(config, options.seq_len, options.recompute))
-    return (training_ledger(config, layout, options), communication_ledger(config, layout, options),
+    return (training_ledger(config, layout, options), communication_ledger(config, layout, options, backend),
             training_flops_per_token(config, options.seq_len, options.recompute, options.lora_rank,
                                      tuple(options.lora_targets)))
 
@@ -153,7 +155,7 @@ def _ledgers(config: ModelConfig | MoEModelConfig, layout: ParallelLayout, optio
 def evaluate_layout(config: ModelConfig | MoEModelConfig, cluster: Cluster, layout: ParallelLayout,
                     options: TrainingOptions, global_batch_size: int) -> LayoutCandidate:
     """One layout's memory and predicted step time on `cluster` (see the module docstring)."""
-    training, ledger, flops_per_token = _ledgers(config, layout, options)
+    training, ledger, flops_per_token = plan_ledgers(config, layout, options)
     peak = training.peak_stage.total_bytes
     compute = flops_per_token * global_batch_size * options.seq_len / (
         cluster.gpus * cluster.peak_tflops * 1e12 * cluster.mfu)

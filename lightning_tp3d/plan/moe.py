@@ -56,13 +56,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning_tp3d.plan.communication import EXPERT_GROUP, CommunicationLedger, Transfer, activation_bytes
+from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.data_parallel import choose_data_parallel
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import PRECISIONS
 from lightning_tp3d.plan.schedules import rank_stages
 
 __all__ = ["MOE_PRESETS", "ExpertExchange", "ExpertStageMemory", "MoEModelConfig", "expert_ledger",
-           "expert_model_memory", "resolve_moe_config"]
+           "expert_model_memory", "planner_config", "resolve_moe_config"]
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,22 @@ def resolve_moe_config(name_or_path: str | Path) -> MoEModelConfig | None:
         return None
     values = json.loads(path.read_text())
     return MoEModelConfig.from_dict(values) if "n_routed_experts" in values else None
+
+
+def planner_config(record: dict[str, Any]) -> ModelConfig | MoEModelConfig | None:
+    """The shape the planner reads from a model's config record (`config.json`, `ModelAdapter.config_record`):
+    a DeepSeek mixture of experts (routed experts and a latent KV rank) as a `MoEModelConfig`; another
+    mixture of experts (Mixtral's `num_local_experts`, Qwen-MoE's `num_experts`), which the planner does not
+    model, as None rather than as the dense decoder its other fields describe; else a `ModelConfig` (None
+    without a decoder's shape)."""
+    try:
+        if record.get("n_routed_experts") and record.get("kv_lora_rank"):
+            return MoEModelConfig.from_dict(record)
+        if record.get("num_local_experts") or record.get("num_experts"):
+            return None
+        return ModelConfig.from_dict(record)
+    except (TypeError, ValueError):
+        return None
 
 
 def expert_ledger(config: MoEModelConfig, layout: ParallelLayout, seq_len: int, precision: str,

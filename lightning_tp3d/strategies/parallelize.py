@@ -7,6 +7,8 @@
        expert parallel     the routed experts split over the expert mesh's "ep" (`parallel.experts`)
     3. recompute           activation checkpointing per block (`parallel.recompute`)
     4. compile             each block's forward through `torch.compile` (`parallel.compile`)
+       router loss         a mixture of experts' balancing loss over the whole batch at dp > 1
+                           (`models.router_loss`)
     5. data parallel       `DataParallel.wrap`: FSDP2 units around the recomputed blocks (it must wrap
                            parameters that are already DTensors, and its units must contain the
                            recomputed code, so the recompute runs on unsharded parameters)
@@ -26,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tp3d.models.adapter import ModelAdapter
 from lightning_tp3d.models.lora import check_peft_construction
-from lightning_tp3d.models.moe import check_router_loss
+from lightning_tp3d.models.router_loss import GlobalRouterLoss, adds_router_loss, check_router_loss
 from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.compile import compile_blocks, warn_of_training_cache
 from lightning_tp3d.parallel.data_parallel import DataParallel
@@ -66,7 +68,7 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
     adapter.check_features(recompute=options.recompute, compiled=options.compile is not None, float8=options.float8)
     if layout.expert_parallel_size > 1:
         _check_experts(network, adapter, layout)
-    check_router_loss(getattr(network, "config", None), layout)
+    check_router_loss(network, layout)
     tp_plan = adapter.tp_plan()
     if layout.tensor_parallel_size > 1:
         check_plan_matches(network, tp_plan, adapter.name)
@@ -93,6 +95,8 @@ def parallelize_network(network: nn.Module, config: Any | None, layout: Parallel
         if pipeline_plan is None:
             warn_of_training_cache(config)
         compile_blocks(indexed_blocks(layers).values(), options.compile)
+    if layout.data_parallel_size > 1 and adds_router_loss(network):  # the whole batch's balancing loss
+        GlobalRouterLoss(mesh["dp"].get_group(), layout.data_parallel_size).install(network)
     data_parallel.wrap(stage_modules or [network], indexed_blocks(layers).values())
     pipeline, handover = None, None
     if pipeline_plan is not None:

@@ -21,6 +21,8 @@ from lightning_tp3d.plan.advisor import Cluster, evaluate_layout
 from lightning_tp3d.plan.config import resolve_model_config
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions
+from lightning_tp3d.plan.moe import MoEModelConfig
+from lightning_tp3d.plan.moe_communication import moe_communication_ledger
 
 DATA = "[_TrainingEpochLoop].train_dataloader_next"
 TRAINING_STEP = "[Strategy]TP3DStrategy.training_step"
@@ -143,3 +145,25 @@ def test_the_report_predicts_warns_once_per_cause_and_draws(tmp_path):
     timelines = [(rank["rank"], rank["coordinates"], rank["timeline"]) for rank in ranks]
     for path in (plot_timeline(timelines, tmp_path / "timeline.png"), plot_breakdown(report, tmp_path / "b.png")):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_of_a_mixture_of_experts_run_predicts_with_its_ledgers():
+    """A DeepSeek run's prediction comes from the MoE ledgers (`plan.advisor.plan_ledgers`): each rank's dp
+    bytes are `plan.moe_communication`'s, and the experts' reduction over "edp" counts as dp communication."""
+    config = MoEModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1,
+                            num_experts_per_tok=2, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    layout = ParallelLayout(pipeline_parallel_size=2, data_parallel_size=4, micro_batch_size=1, num_microbatches=4,
+                            expert_parallel_size=2)  # pp rank = rank // 4, as `_rank` places them
+    options = TrainingOptions(seq_len=64, precision="32-true")
+    report = build_report([_rank(rank, 0.62) for rank in range(8)], config=config, layout=layout, options=options,
+                          global_batch=16, schedule="1f1b", device_type="cpu", backend="gloo", gpus_per_node=8,
+                          cluster_options={}, warmup_steps=2, steps=3, command=["tp3d"])
+    ledger = moe_communication_ledger(config, layout, options, backend="gloo")
+    assert [rank["ledger_dp_bytes"] for rank in report["ranks"]] == [
+        ledger.totals(rank // 4)["dp"]["payload_bytes"] for rank in range(8)]
+    candidate = evaluate_layout(config, Cluster(gpus=8, gpu_memory_bytes=1 << 40, overlap=False), layout, options, 16)
+    assert candidate.exposed_seconds["edp"] > 0
+    assert predicted_components(candidate)["dp communication"] == pytest.approx(
+        candidate.exposed_seconds["dp"] + candidate.exposed_seconds["edp"])

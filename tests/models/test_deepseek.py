@@ -20,8 +20,10 @@ group's experts sharded over its two replicas), and with ZeRO-1 at (1, 1, 4); it
 resumes exactly without it at (2, 1, 2) and exports whole experts, the (1, 1, 4) FSDP2 one with the
 experts over 4 ranks, the (1, 1, 4) ZeRO-1 one at (1, 2, 2) with FSDP2; a Fabric loop at (1, 2, 2)
 1F1B with E = 2 equals one process as the Trainer does; one step's
-all-to-all payloads equal the ledger's (`plan.moe`) at two layouts; and the experts module alone, with
-every token routed to one rank's experts, equals transformers' (outputs and gradients).
+all-to-all payloads equal the ledger's (`plan.moe`) at two layouts, and at every layout above each rank's
+collectives and sends over tp, pp, dp and edp equal `plan.moe_communication`'s call by call (over ep in
+calls); and the experts module alone, with every token routed to one rank's experts, equals transformers'
+(outputs and gradients).
 """
 
 from __future__ import annotations

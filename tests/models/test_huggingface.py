@@ -10,7 +10,9 @@ and loaded by transformers with the live logits) and with FSDP2 (its per-head q 
 over tp either way), and Mixtral; both built on the meta device and filled by `pretrained=` from a folder
 transformers wrote (per-expert tensors): Qwen3-MoE at (1, 1, 4) with FSDP2 and E = 2, Mixtral (whose block the
 Hub names `block_sparse_moe`) at (2, 1, 2) E = 2 and at (1, 2, 2) 1F1B with FSDP2 and E = 2 (each stage reads
-its own blocks' experts).
+its own blocks' experts). With the auxiliary load-balancing loss on (`output_router_logits=True`, coefficient
+0.1), Mixtral at (1, 1, 4) E = 2 and Qwen3-MoE at (2, 1, 2) FSDP2 equal one process on the whole batch
+(`models.router_loss`: each rank's share of the whole batch's loss; a per-rank loss fails by far).
 """
 
 from __future__ import annotations
@@ -54,13 +56,19 @@ EXPERTS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermedi
            "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
 
 
-def hf_network(architecture: str) -> nn.Module:
-    """A tiny `transformers` model, identical on every rank (seeded), computing attention with SDPA."""
+# the auxiliary load-balancing loss, its coefficient large enough that a per-rank loss fails the comparison
+ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+
+
+def hf_network(architecture: str, router_loss: bool = False) -> nn.Module:
+    """A tiny `transformers` model, identical on every rank (seeded), computing attention with SDPA; with
+    `router_loss` a mixture of experts adds its balancing loss (`ROUTER_LOSS`)."""
     torch.manual_seed(0)
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "mistral": transformers.MistralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
                     "mixtral": transformers.MixtralConfig}[architecture]
-    config = config_class(**SHAPE, **EXPERTS.get(architecture, {}), attn_implementation="sdpa")
+    config = config_class(**SHAPE, **EXPERTS.get(architecture, {}), **(ROUTER_LOSS if router_loss else {}),
+                          attn_implementation="sdpa")
     model_class = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
                    "mistral": transformers.MistralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
                    "mixtral": transformers.MixtralForCausalLM}[architecture]
@@ -72,12 +80,13 @@ class HFModule(L.LightningModule):
     `from_pretrained` from a folder written by transformers, or (`on_meta`) built on the meta device in
     `configure_model` from the folder's config, for `TP3DStrategy(pretrained=folder)` to fill shard by shard."""
 
-    def __init__(self, architecture: str = "llama", pretrained: str | None = None, on_meta: bool = False) -> None:
+    def __init__(self, architecture: str = "llama", pretrained: str | None = None, on_meta: bool = False,
+                 router_loss: bool = False) -> None:
         super().__init__()
         self.folder, self.on_meta = pretrained, on_meta
         self.model = None
         if pretrained is None:
-            self.model = hf_network(architecture)
+            self.model = hf_network(architecture, router_loss)
         elif not on_meta:
             self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, attn_implementation="sdpa")
 
@@ -127,7 +136,12 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {
                                                                      mode="fsdp", experts=2, from_pretrained="shards"),
         "mixtral-meta-pretrained-option-tp2-pp1-dp2-ep2-replicate": dict(architecture="mixtral", tp=2, pp=1,
                                                                          mode="replicate", experts=2,
-                                                                         from_pretrained="shards")},
+                                                                         from_pretrained="shards"),
+        # the balancing loss over the whole batch (`models.router_loss`), with the experts split and under tp
+        "mixtral-router-loss-tp1-pp1-dp4-ep2-replicate": dict(architecture="mixtral", tp=1, pp=1, mode="replicate",
+                                                              experts=2, router_loss=True),
+        "qwen3moe-router-loss-tp2-pp1-dp2-fsdp": dict(architecture="qwen3_moe", tp=2, pp=1, mode="fsdp",
+                                                      router_loss=True)},
 }
 # The (1, 2, 2) FSDP run saves after STEPS steps; this run resumes it at (2, 1, 2) for RESUMED_STEPS more.
 RESUMED_STEPS = 3
@@ -137,7 +151,7 @@ CONFIGURATIONS = {name: configuration for runs in RUNS.values() for name, config
 
 def _fit(directory: Path, name: str, architecture: str, tp: int, pp: int, mode: str, schedule: str = "1f1b",
          export: bool = False, from_pretrained: str | None = None, save: bool = False, resume: bool = False,
-         recompute: str = "none", experts: int = 1) -> dict[str, Any]:
+         recompute: str = "none", experts: int = 1, router_loss: bool = False) -> dict[str, Any]:
     """`from_pretrained`: "transformers" (the module calls `from_pretrained`) or "shards" (the module builds
     on the meta device and the strategy's `pretrained=` reads each rank's slices)."""
     dp = world_size() // (tp * pp)
@@ -154,7 +168,8 @@ def _fit(directory: Path, name: str, architecture: str, tp: int, pp: int, mode: 
     trainer = L.Trainer(**trainer_kwargs(devices=world_size(), strategy=strategy, logger=logger, callbacks=callbacks,
                                          enable_checkpointing=save,
                                          max_steps=STEPS + RESUMED_STEPS if resume else STEPS))
-    module = HFModule(architecture, str(folder) if from_pretrained else None, on_meta=from_pretrained == "shards")
+    module = HFModule(architecture, str(folder) if from_pretrained else None, on_meta=from_pretrained == "shards",
+                      router_loss=router_loss)
     trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // dp,
                                         val_fraction=0.2),
                 ckpt_path=str(directory / "hf.ckpt") if resume else None)
@@ -190,7 +205,7 @@ def test_hf_module_matches_single_process_at_every_layout(world_results, directo
                 directory / f"pretrained-{configuration['architecture']}", attn_implementation="sdpa")
     else:
         def build() -> nn.Module:
-            return hf_network(configuration["architecture"])
+            return hf_network(configuration["architecture"], configuration.get("router_loss", False))
     reference = reference_run(STEPS, GLOBAL_BATCH, build_network=build, loss_of=hf_loss)
     covered = assert_ranks_match(name, world_results[name], reference, RTOL, ATOL)
     assert covered == reference["first_grads"].keys(), f"{name}: the ranks' stages do not cover the model"

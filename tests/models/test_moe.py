@@ -9,9 +9,8 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from lightning_tp3d.models.families import resolve_model_adapter
 from lightning_tp3d.models.huggingface import HuggingFaceCausalLMAdapter
-from lightning_tp3d.models.moe import HuggingFaceMoEAdapter, check_router_loss
+from lightning_tp3d.models.moe import HuggingFaceMoEAdapter
 from lightning_tp3d.parallel.tensor import ReplicateBlockInput, check_plan_matches
-from lightning_tp3d.plan.layout import LayoutError, ParallelLayout
 from tests.models.test_huggingface import SHAPE, hf_network
 
 transformers = pytest.importorskip("transformers")
@@ -56,19 +55,3 @@ def test_features_not_yet_tested_with_moe_blocks_are_refused(features, named):
     with pytest.raises(ValueError, match=f"{named}.*mixture-of-experts causal LM.*not supported yet; train it with"):
         adapter.check_features(**features)
     adapter.check_features(recompute="selective", peft=True)
-
-
-def test_the_auxiliary_load_balancing_loss_is_refused_where_no_rank_sees_the_whole_batch():
-    """N sum_e f_e P_e over a dp rank's share or a micro-batch is another loss than one process's (and pipeline
-    stages carry no router logits): refused with the fix; accepted under tp alone (every tp rank routes the
-    same tokens) and without the loss."""
-    config = hf_network("mixtral").config
-    config.output_router_logits = True
-    for layout, named in [(ParallelLayout(data_parallel_size=2), "data_parallel_size=2"),
-                          (ParallelLayout(pipeline_parallel_size=2), "pipeline_parallel_size=2")]:
-        with pytest.raises(LayoutError, match=rf"output_router_logits=True .* with {named} is not supported yet.*"
-                                              r"set model.config.output_router_logits = False"):
-            check_router_loss(config, layout)
-    check_router_loss(config, ParallelLayout(tensor_parallel_size=2))
-    config.output_router_logits = False
-    check_router_loss(config, ParallelLayout(data_parallel_size=2, pipeline_parallel_size=2))

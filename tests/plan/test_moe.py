@@ -16,6 +16,7 @@ from lightning_tp3d.plan.moe import (
     MoEModelConfig,
     expert_ledger,
     expert_model_memory,
+    planner_config,
     resolve_moe_config,
 )
 
@@ -190,3 +191,15 @@ def test_block_tensors_are_transformers_parameters_in_their_order(changes):
         for (whole, dim), (split, _) in zip(shape.block_tensors(layer, 1), shape.block_tensors(layer, 2)):
             assert split == (whole if dim is None else tuple(size // 2 if index == dim else size
                                                             for index, size in enumerate(whole)))
+
+
+def test_the_planner_reads_a_records_shape_or_none():
+    """A DeepSeek record is planned as a mixture of experts, a Llama record as a dense decoder; another MoE
+    family (Mixtral, Qwen3-MoE), which the planner does not model, is None, not a dense decoder."""
+    deepseek = transformers.DeepseekV3Config(**TINY).to_dict()
+    assert planner_config(deepseek) == MoEModelConfig.from_dict(deepseek)
+    llama = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=256).to_dict()
+    assert planner_config(llama).hidden_size == 64 and not isinstance(planner_config(llama), MoEModelConfig)
+    for config in (transformers.MixtralConfig(num_local_experts=4), transformers.Qwen3MoeConfig(num_experts=4)):
+        assert planner_config(config.to_dict()) is None
