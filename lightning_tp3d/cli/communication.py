@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from lightning_tp3d.plan.communication import EXPERT_GROUP, GROUPS, CommunicationLedger
+from lightning_tp3d.plan.communication import EXPERT_DATA_GROUP, EXPERT_GROUP, GROUPS, CommunicationLedger
 
 __all__ = ["GPUS_PER_NODE", "communication_lines", "given_bandwidths"]
 
@@ -23,9 +23,9 @@ def given_bandwidths(args: argparse.Namespace) -> dict[str, float]:
             given[row["dimension"]] = row["bandwidth_gbps"]
     for item in args.bandwidth:
         group, _, value = item.partition("=")
-        if group not in (*GROUPS, EXPERT_GROUP) or not value:
-            raise ValueError(f"--bandwidth {item!r}: write GROUP=GB/s with GROUP one of {[*GROUPS, EXPERT_GROUP]},"
-                             " e.g. tp=150.")
+        if group not in (*GROUPS, EXPERT_GROUP, EXPERT_DATA_GROUP) or not value:
+            raise ValueError(f"--bandwidth {item!r}: write GROUP=GB/s with GROUP one of"
+                             f" {[*GROUPS, EXPERT_GROUP, EXPERT_DATA_GROUP]}, e.g. tp=150.")
         given[group] = float(value.removesuffix("GB/s").removesuffix("GB"))
     return given
 

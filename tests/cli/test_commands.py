@@ -59,6 +59,9 @@ def test_plan_of_a_mixture_of_experts_model_prints_its_ledgers(capsys):
     assert main(arguments) == 0
     out = capsys.readouterr().out
     assert "671.0e9 parameters, 36.6e9 active" in out and "32 of each block's 256 routed experts" in out
+    assert main([*arguments, "--bandwidth", "ep=50", "edp=25", "--json"]) == 0  # each expert group's links
+    bandwidth = json.loads(capsys.readouterr().out)["communication"]["bandwidth_bytes_per_second"]
+    assert (bandwidth["ep"], bandwidth["edp"]) == (50e9, 25e9)
     assert "   15     58-60 " in out and "peak per rank:" in out and "   15   edp " in out
     assert main(["plan", "deepseek-llm-7b", "--ep", "2"]) == 2
     assert "--ep 2 splits routed experts, but deepseek-llm-7b has none" in capsys.readouterr().err
