@@ -65,11 +65,11 @@ def balancing_statistics(gate_logits: tuple[torch.Tensor, ...], num_experts: int
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probabilities = torch.zeros(num_experts, dtype=torch.float32, device=device)
     rows = torch.zeros((), dtype=torch.float32, device=device)
-    weights = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    row_weights = (torch.ones(gate_logits[0].shape[0], device=device) if attention_mask is None
+                   else attention_mask.reshape(-1).to(device=device, dtype=torch.float32))  # the same in every layer
     for logits in gate_logits:
         routing = torch.softmax(logits.to(device), dim=-1)
         chosen = torch.topk(routing, top_k, dim=-1).indices.reshape(-1)
-        row_weights = torch.ones(routing.shape[0], device=device) if weights is None else weights
         counts = counts.scatter_add(0, chosen, row_weights.repeat_interleave(top_k))
         probabilities = probabilities + (routing.float() * row_weights.unsqueeze(-1)).sum(dim=0)
         rows = rows + row_weights.sum()

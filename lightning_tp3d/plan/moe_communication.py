@@ -105,8 +105,8 @@ def _tensor_parallel(config: MoEModelConfig, layout: ParallelLayout, options: Tr
         transfers.append(Transfer("tp", "all_gather", passes, 2 * tokens, 4,
                                   "loss statistics (vocab-parallel cross entropy)"))
     elif held.last:
-        transfers.append(Transfer("tp", "all_gather", passes, tokens * config.vocab_size // layout.tensor_parallel_size,
-                                  low,
+        vocabulary = config.vocab_size // layout.tensor_parallel_size
+        transfers.append(Transfer("tp", "all_gather", passes, tokens * vocabulary, low,
                                   "logits for the model's own loss"))
     return transfers
 
