@@ -1,24 +1,52 @@
 """Run a function on N local processes (gloo on CPU) and collect what each rank returns.
 
-Each world size is spawned once per test module and runs many checks inside, because process start-up
-(importing torch on two cores) dominates. A short collective timeout and a traceback dump make a bug
-fail fast instead of hanging.
+The processes are started once per test session and kept: a pool of workers where worker `r` is always rank
+`r`, a world of size N being the first N workers. A call sends the job to them and each runs it as a newly
+started process would: in the caller's environment of the moment, with a new rendezvous port, its
+`WORLD_SIZE` and a timeout. After each job every worker puts back what a body may have changed (process
+groups, the environment, working directory, default dtype, grad and anomaly modes, matmul precision,
+determinism, thread count, warning filters, torch's default seed, compiled graphs, DTensor's caches), so a
+test pays for its work and not for starting processes and importing torch (about 20 s for 8 processes on
+two cores).
+
+A body that raises fails its test with every failing rank named and its traceback. A body that hangs is
+stopped after its timeout: each silent rank's stacks are dumped (faulthandler) into the error, the world's
+processes are killed, and the next call starts new ones, so one broken test does not take the rest with it.
+`fresh=True` runs a body on newly started processes that exit afterwards, for one that must not share them.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
 import importlib
 import io
 import multiprocessing
 import os
-import queue
+import shutil
+import signal
 import socket
+import sys
+import tempfile
+import time
 import traceback
+import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["results_by_name", "run_distributed"]
+__all__ = ["results_by_name", "run_distributed", "shutdown_workers", "worker_pids"]
+
+# after the first rank fails, how long the others have to finish (or fail) before they count as stuck
+GRACE_SECONDS = 10.0
+# how long past its own faulthandler deadline a silent rank is waited for (the dump takes a moment)
+DUMP_SECONDS = 5.0
+# a worker whose resident memory grew past this (compiled code, caches) is replaced after its job
+RECYCLE_BYTES = 2 * 1024**3
+# the tail of a failing worker's output shown with its error
+LOG_TAIL_CHARS = 6000
 
 
 def _free_port() -> int:
@@ -27,60 +55,251 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, target: str, args: tuple, results: Any, timeout: float) -> None:
-    os.environ.update({
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1",
-    })
-    faulthandler.dump_traceback_later(timeout, exit=True)
-    try:
+class _ProcessState:
+    """What a job may change in a worker's process: taken before the first job, put back after each."""
+
+    def __init__(self) -> None:
         import torch
 
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.dtype = torch.get_default_dtype()
+        self.seed = torch.initial_seed()
+        self.matmul_precision = torch.get_float32_matmul_precision()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+
+    def restore(self) -> None:
+        import torch
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        if "torch._dynamo" in sys.modules:
+            torch.compiler.reset()
+        _clear_dtensor_caches()
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        torch.autograd.set_detect_anomaly(False)
+        torch.set_float32_matmul_precision(self.matmul_precision)
+        torch.use_deterministic_algorithms(self.deterministic)
         torch.set_num_threads(1)
-        module_name, _, function_name = target.partition(":")
-        function = getattr(importlib.import_module(module_name), function_name)
-        # Bytes rather than tensors: queued tensors live in shared memory that dies with this process.
-        buffer = io.BytesIO()
-        torch.save(function(*args), buffer)
-        results.put((rank, "ok", buffer.getvalue()))
-    except BaseException:  # noqa: BLE001 - the traceback goes back to the test
-        results.put((rank, "error", traceback.format_exc()))
+        torch.manual_seed(self.seed)
+        gc.collect()
 
 
-def run_distributed(world_size: int, target: str, *args: Any, timeout: float = 600.0) -> list[Any]:
-    """Call `target` ("package.module:function") with `args` on `world_size` ranks; return results by rank."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, target, args, results, timeout), daemon=True)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    collected: dict[int, Any] = {}
-    errors: list[str] = []
+def _clear_dtensor_caches() -> None:
+    """DTensor's sharding-propagation and redistribution caches (torch 2.13's private names) compare meshes
+    by shape and dimension names, not by process groups: a result cached in an earlier job would hand back
+    a mesh of its destroyed groups ("Could not resolve the process group registered under the name N")."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # Python's and the C++ fast path's, "the recommended way to clear all"
+    clear_redistribute_planner_cache()
+
+
+def _resident_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _run_job(target: str, args: tuple) -> tuple[str, Any]:
     try:
-        while len(collected) + len(errors) < world_size:
-            try:
-                rank, status, value = results.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"{target} on {world_size} ranks produced no result within {timeout} s") from None
-            if status == "ok":
-                import torch
+        with warnings.catch_warnings():  # filters and once-registries as they were, after the job
+            module_name, _, function_name = target.partition(":")
+            result = getattr(importlib.import_module(module_name), function_name)(*args)
+            # bytes rather than tensors: tensors sent between processes live in shared memory
+            buffer = io.BytesIO()
+            import torch
 
-                collected[rank] = torch.load(io.BytesIO(value), weights_only=True)
-            else:
-                errors.append(f"rank {rank}:\n{value}")
+            torch.save(result, buffer)
+            return "ok", buffer.getvalue()
+    except BaseException:  # noqa: BLE001 - the traceback goes back to the test
+        return "error", traceback.format_exc()
+
+
+def _serve(rank: int, connection: Connection, log_path: str) -> None:
+    """Worker `rank`: run the jobs sent on `connection` until it sends None; all output goes to `log_path`."""
+    log = open(log_path, "a", buffering=1)  # noqa: SIM115 - the worker's output for its whole life
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    rank_variables = {"MASTER_ADDR": "127.0.0.1", "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
+                      "OMP_NUM_THREADS": "1"}
+    os.environ.update(rank_variables)
+    import torch
+
+    torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR2, file=log, all_threads=True)  # the pool asks for stacks before a kill
+    state = _ProcessState()
+    while (job := connection.recv()) is not None:
+        target, args, environment, world_size, port, timeout = job
+        os.environ.update({**environment, **rank_variables, "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size)})
+        print(f"=== {target} on {world_size} ranks", flush=True)
+        faulthandler.dump_traceback_later(timeout, exit=True, file=log)
+        status, value = _run_job(target, args)
+        faulthandler.cancel_dump_traceback_later()
+        keep = True
+        try:
+            state.restore()
+        except BaseException:  # noqa: BLE001 - a worker that cannot be put back is replaced
+            if status == "ok":
+                status, value = "error", ""
+            value += "\nputting the worker back after the job failed:\n" + traceback.format_exc()
+            keep = False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        connection.send((status, value, keep and _resident_bytes() < RECYCLE_BYTES))
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: Any
+    connection: Connection
+    log_path: str
+
+    def log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_path, errors="replace") as log:
+                log.seek(offset)
+                return log.read()[-LOG_TAIL_CHARS:]
+        except OSError:
+            return ""
+
+    def log_size(self) -> int:
+        return os.path.getsize(self.log_path)
+
+    def stop(self, graceful: bool) -> None:
+        if graceful and self.process.is_alive():
+            try:
+                self.connection.send(None)
+            except OSError:
+                pass
+            self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self.connection.close()
+
+
+class _Pool:
+    """Workers by rank, started when a world first needs them and replaced when one is killed or recycled."""
+
+    def __init__(self) -> None:
+        self.workers: dict[int, _Worker] = {}
+        self.log_directory = tempfile.mkdtemp(prefix="tp3d-workers-")
+
+    def start(self, ranks: Iterable[int]) -> None:
+        context = multiprocessing.get_context("spawn")
+        for rank in ranks:
+            if rank in self.workers:
+                continue
+            ours, theirs = context.Pipe()
+            log_path = os.path.join(self.log_directory, f"rank{rank}-{time.monotonic_ns()}.log")
+            open(log_path, "w").close()
+            process = context.Process(target=_serve, args=(rank, theirs, log_path), daemon=True,
+                                      name=f"tp3d-rank{rank}")
+            process.start()
+            theirs.close()
+            self.workers[rank] = _Worker(rank, process, ours, log_path)
+
+    def drop(self, ranks: Iterable[int], graceful: bool = False) -> None:
+        for rank in ranks:
+            worker = self.workers.pop(rank, None)
+            if worker is not None:
+                worker.stop(graceful)
+
+    def shutdown(self) -> None:
+        self.drop(list(self.workers), graceful=True)
+        shutil.rmtree(self.log_directory, ignore_errors=True)
+
+    def run(self, world_size: int, target: str, args: tuple, timeout: float) -> list[Any]:
+        self.start(range(world_size))
+        workers = [self.workers[rank] for rank in range(world_size)]
+        offsets = {worker.rank: worker.log_size() for worker in workers}
+        # the caller's environment as it is now (a test's monkeypatched variables), as a new process inherits it
+        job = (target, args, dict(os.environ), world_size, _free_port(), timeout)
+        started = time.monotonic()  # before any worker starts its own clock
+        for worker in workers:
+            worker.connection.send(job)
+        replies: dict[int, tuple[str, Any, bool]] = {}
+        waiting = {worker.connection: worker for worker in workers}
+        dead: list[int] = []
+        deadline = started + timeout + DUMP_SECONDS
+        while waiting:
+            ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
                 break
+            for connection in ready:
+                worker = waiting.pop(connection)
+                try:
+                    replies[worker.rank] = connection.recv()
+                except (EOFError, OSError):  # the worker exited (killed, faulthandler) without a reply
+                    dead.append(worker.rank)
+                if worker.rank in dead or replies[worker.rank][0] == "error":
+                    deadline = min(deadline, time.monotonic() + GRACE_SECONDS)
+        if time.monotonic() - started >= timeout:  # faulthandler ended them at their deadline
+            waiting.update({self.workers[rank].connection: self.workers[rank] for rank in dead})
+            dead = []
+        silent = sorted(worker.rank for worker in waiting.values())
+        for worker in waiting.values():
+            if worker.process.is_alive():
+                os.kill(worker.process.pid, signal.SIGUSR2)
+        if any(worker.process.is_alive() for worker in waiting.values()):
+            time.sleep(1.0)  # the stacks are written by the workers themselves
+        failed = sorted(rank for rank, reply in replies.items() if reply[0] == "error")
+        self.drop(silent + dead + [rank for rank, reply in replies.items() if not reply[2]])
+        if not (silent or dead or failed):
+            import torch
+
+            return [torch.load(io.BytesIO(replies[rank][1]), weights_only=True) for rank in range(world_size)]
+        sections = [f"rank {rank} raised:\n{replies[rank][1]}" for rank in failed]
+        sections += [f"rank {worker.rank} exited without a result; its output:\n"
+                     f"{worker.log_since(offsets[worker.rank])}" for worker in workers if worker.rank in dead]
+        stopped = (f"still running {GRACE_SECONDS:g} s after a rank failed, stopped" if failed or dead
+                   else f"timed out after {timeout:g} s")
+        sections += [f"rank {worker.rank} {stopped}; its output and stacks:\n{worker.log_since(offsets[worker.rank])}"
+                     for worker in workers if worker.rank in silent]
+        summary = f"{target} on {world_size} ranks: " + "; ".join(
+            part for part in (f"ranks {failed} raised" if failed else "", f"ranks {dead} died" if dead else "",
+                              f"ranks {silent} {stopped}" if silent else "") if part)
+        error = TimeoutError if silent and not failed else AssertionError
+        raise error(summary + "\n" + "\n".join(sections))
+
+
+_POOL = _Pool()
+atexit.register(_POOL.shutdown)
+
+
+def run_distributed(world_size: int, target: str, *args: Any, timeout: float = 600.0, fresh: bool = False
+                    ) -> list[Any]:
+    """Call `target` ("package.module:function") with `args` on `world_size` ranks; return results by rank.
+
+    A rank that raises fails the call (AssertionError naming every failing rank, with tracebacks); ranks that
+    give no result within `timeout` seconds are killed and named (TimeoutError, with their stacks). The
+    ranks are the session's live workers unless `fresh`, which starts new processes and ends them after.
+    """
+    if not fresh:
+        return _POOL.run(world_size, target, args, timeout)
+    pool = _Pool()
+    try:
+        return pool.run(world_size, target, args, timeout)
     finally:
-        for process in processes:
-            process.join(timeout=5 if not errors else 1)
-            if process.is_alive():
-                process.kill()
-    if errors:
-        raise AssertionError(f"{target} failed on {world_size} ranks:\n" + "\n".join(errors))
-    return [collected[rank] for rank in range(world_size)]
+        pool.shutdown()
+
+
+def worker_pids(world_size: int) -> list[int | None]:
+    """The process ids of the live workers of ranks 0 .. world_size - 1 (None where none is running)."""
+    return [_POOL.workers[rank].process.pid if rank in _POOL.workers else None for rank in range(world_size)]
+
+
+def shutdown_workers() -> None:
+    """End the session's workers (the next call starts new ones)."""
+    _POOL.shutdown()
 
 
 def results_by_name(world_sizes: Iterable[int], target: str, *args: Any, with_world: bool = True

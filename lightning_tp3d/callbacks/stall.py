@@ -52,7 +52,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning_tp3d._compat.torch import default_store, recorded_collectives
 from lightning_tp3d.plan.layout import ParallelLayout
 
-__all__ = ["StallDiagnosis", "StalledRankMonitor", "communication_wait", "diagnose_stall", "newest_collectives"]
+__all__ = ["StallDiagnosis", "StalledRankMonitor", "communication_wait", "diagnose_stall", "newest_collectives",
+           "newest_record"]
 
 log = logging.getLogger("lightning_tp3d")
 _OBSERVERS = (0, 1)
@@ -60,18 +61,26 @@ _WARM_UP_STEPS = 2  # the first steps (compilation, allocation) are left out of 
 _COMMUNICATION_MODULES = ("torch.distributed.distributed_c10d", "torch.distributed._functional_collectives")
 
 
-def newest_collectives(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def newest_collectives(entries: list[dict[str, Any]], after_record: int = -1) -> dict[str, dict[str, Any]]:
     """From flight-recorder `entries`: per group name, the newest collective this rank entered (its
     sequence number on that group, operation, the group's description, e.g. `mesh_tp`, and whether it
-    completed: `retired`)."""
+    completed: `retired`). Only entries recorded after `after_record` count: the recorder outlives the
+    process groups, and groups created after `destroy_process_group` reuse the names of earlier ones."""
     newest: dict[str, dict[str, Any]] = {}
     for entry in entries:
+        if entry.get("record_id", 0) <= after_record:
+            continue
         name, description = (entry.get("process_group") or ["?", "?"])[:2]
         sequence = entry.get("collective_seq_id", 0)
         if not entry.get("is_p2p") and sequence and sequence >= newest.get(name, {}).get("seq", 0):
             newest[name] = {"seq": sequence, "op": str(entry.get("profiling_name", "?")).split(":")[-1],
                             "group": description, "retired": bool(entry.get("retired", True))}
     return newest
+
+
+def newest_record(entries: list[dict[str, Any]]) -> int:
+    """The highest flight-recorder `record_id` among `entries` (-1 where there are none)."""
+    return max((entry.get("record_id", -1) for entry in entries), default=-1)
 
 
 def communication_wait(thread_id: int) -> str | None:
@@ -159,6 +168,7 @@ class StalledRankMonitor(Callback):
         self._rank, self._world = trainer.global_rank, trainer.world_size
         self._prefix = f"tp3d/heartbeat/{trainer.strategy.broadcast(uuid.uuid4().hex)}/"  # this fit's keys
         self._store = default_store()
+        self._first_record = newest_record(recorded_collectives())  # what earlier process groups left
         self._main_thread = threading.get_ident()
         self._step, self._step_time, self._steps_seen = trainer.global_step, time.monotonic(), 0
         self._stop.clear()
@@ -210,7 +220,7 @@ class StalledRankMonitor(Callback):
             watching = threshold is not None and not self._paused and stuck >= threshold / 2
             heartbeat: dict[str, Any] = {"beat": beat, "step": step, "host": host}
             if watching:
-                heartbeat["groups"] = newest_collectives(recorded_collectives())
+                heartbeat["groups"] = newest_collectives(recorded_collectives(), self._first_record)
                 heartbeat["waiting"] = communication_wait(self._main_thread)
             self._store.set(f"{self._prefix}{self._rank}", json.dumps(heartbeat))
             if not watching or self._rank not in _OBSERVERS:

@@ -210,7 +210,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from lightning_tp3d.diagnostics.doctor import run_doctor
-    from lightning_tp3d.parallel.collectives import enable_collective_recording
+    from lightning_tp3d.parallel.collectives import destroy_gloo_groups_at_exit, enable_collective_recording
     from lightning_tp3d.parallel.mesh import build_device_mesh
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -221,6 +221,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timeout)
+        destroy_gloo_groups_at_exit()
     layout = ParallelLayout.resolve(world_size=dist.get_world_size(), tensor_parallel_size=args.tp,
                                     pipeline_parallel_size=args.pp,
                                     data_parallel_size=args.dp if args.dp == "auto" else int(args.dp))

@@ -18,6 +18,7 @@ Two torch facts (2.13) shape this module:
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import re
@@ -33,6 +34,7 @@ from lightning_tp3d._compat.torch import FLIGHT_RECORDER_VARIABLES, process_grou
 __all__ = [
     "CollectiveTimeoutError",
     "describe_failed_collective",
+    "destroy_gloo_groups_at_exit",
     "enable_collective_recording",
     "mesh_group_options",
     "naming_stuck_collectives",
@@ -121,3 +123,21 @@ def naming_stuck_collectives(method: Method) -> Method:
             raise CollectiveTimeoutError(description) from error
 
     return wrapped  # type: ignore[return-value]
+
+
+@functools.cache
+def destroy_gloo_groups_at_exit() -> None:
+    """Destroy the process groups before the interpreter finalises, when they are gloo's (registered with
+    `atexit` once per process; the strategies call this when they create their groups).
+
+    A process that exits with a live gloo group can abort at interpreter finalisation ("terminate called
+    without an active exception", exit status -6, pytorch#190489) after its run succeeded: gloo's threads
+    still hold work whose tensors need the interpreter. Lightning never destroys the default group. Gloo's
+    destroy is local (a peer still waiting sees its connection close and fails instead of hanging); NCCL's
+    is not, so a NCCL group is left to the script, as torchtitan leaves it."""
+    atexit.register(_destroy_gloo_groups)
+
+
+def _destroy_gloo_groups() -> None:
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()

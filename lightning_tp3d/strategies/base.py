@@ -28,7 +28,11 @@ from torch import nn
 
 from lightning_tp3d._compat.lightning import setup_process_groups
 from lightning_tp3d.diagnostics.doctor import DoctorReport
-from lightning_tp3d.parallel.collectives import enable_collective_recording, naming_stuck_collectives
+from lightning_tp3d.parallel.collectives import (
+    destroy_gloo_groups_at_exit,
+    enable_collective_recording,
+    naming_stuck_collectives,
+)
 from lightning_tp3d.parallel.mesh import mesh_device
 from lightning_tp3d.parallel.pipeline import StageTiming
 from lightning_tp3d.plan.layout import ParallelLayout
@@ -90,6 +94,7 @@ class TP3DStrategyBase:
         enable_collective_recording()
         warn_if_restarts_cannot_recover()
         setup_process_groups(self)
+        destroy_gloo_groups_at_exit()
         self._device_mesh = self.core.setup_mesh(self.num_nodes * self.num_processes, self.root_device.type,
                                                  self._timeout)
 

@@ -19,7 +19,13 @@ import pytest
 from lightning.pytorch.callbacks import Callback
 
 from lightning_tp3d import TP3DStrategy
-from lightning_tp3d.callbacks.stall import StalledRankMonitor, communication_wait, diagnose_stall, newest_collectives
+from lightning_tp3d.callbacks.stall import (
+    StalledRankMonitor,
+    communication_wait,
+    diagnose_stall,
+    newest_collectives,
+    newest_record,
+)
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from tests.distributed import run_distributed
@@ -118,6 +124,20 @@ def test_newest_collective_per_group_from_the_flight_recorder():
         {"process_group": ["5", "mesh_pp"], "collective_seq_id": 0, "p2p_seq_id": 4, "is_p2p": True},
     ]
     assert newest_collectives(entries) == {"3": {"seq": 8, "op": "all_gather", "group": "mesh_tp", "retired": False}}
+
+
+def test_entries_of_earlier_process_groups_with_the_same_names_are_left_out():
+    # a group destroyed, then a new one under the same name: its sequence numbers start again
+    entries = [
+        {"record_id": 0, "process_group": ["3", "mesh_tp"], "collective_seq_id": 40, "profiling_name": "gloo:broadcast",
+         "retired": False},
+        {"record_id": 1, "process_group": ["3", "mesh_tp"], "collective_seq_id": 2, "profiling_name": "gloo:all_reduce",
+         "retired": True},
+    ]
+    assert newest_record(entries[:1]) == 0 and newest_record([]) == -1
+    assert newest_collectives(entries, after_record=newest_record(entries[:1])) == {
+        "3": {"seq": 2, "op": "all_reduce", "group": "mesh_tp", "retired": True}}
+    assert newest_collectives(entries)["3"]["seq"] == 40  # without the mark, the stale entry would win
 
 
 def test_a_thread_outside_communication_waits_for_nothing():

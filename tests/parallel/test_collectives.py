@@ -8,6 +8,8 @@ step while rank 0 enters the step's tensor-parallel collectives: rank 0 must fai
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -62,6 +64,24 @@ def test_stuck_collective_fails_in_time_and_names_the_group(stalled):
                                                                "allgather", "reduce_scatter", "broadcast")
     # rank 0 took one normal step (well under a second) before waiting TIMEOUT_SECONDS; rank 1 stalled longer
     assert waiting["seconds"] < STALL_SECONDS
+
+
+def test_a_gloo_group_is_destroyed_before_the_interpreter_finalises():
+    # handlers run last-registered first: the script's own, registered before, sees what ours left
+    script = """
+import atexit
+import torch.distributed as dist
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))
+from lightning_tp3d.parallel.collectives import destroy_gloo_groups_at_exit
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+destroy_gloo_groups_at_exit()
+destroy_gloo_groups_at_exit()  # registered once
+print("initialized:", dist.is_initialized())
+"""
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.split() == ["initialized:", "True", "initialized", "at", "exit:", "False"]
 
 
 def test_other_errors_are_not_renamed():
