@@ -44,16 +44,15 @@ from lightning.pytorch.callbacks import Callback
 from safetensors.torch import save_file
 
 import lightning_tp3d.io.checkpoint as checkpoint_io
-from lightning_tp3d import ModelConfig, TP3DStrategy
+from lightning_tp3d import TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.io.checkpoint_format import load_model_tensors
 from lightning_tp3d.io.export import export_checkpoint
 from lightning_tp3d.models import CausalLMModule
 
+from common import CONFIG_160M as CONFIG
 from common import MACHINE, benchmark_trainer
 
-CONFIG = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                     num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=512)
 _CHUNK = 64 * 2**20
 
 

@@ -15,11 +15,14 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_tp3d import ModelConfig
 
-__all__ = ["CONFIG", "MACHINE", "StepRecorder", "benchmark_trainer"]
+__all__ = ["CONFIG", "CONFIG_160M", "MACHINE", "StepRecorder", "benchmark_trainer"]
 
 # The reference decoder at a size two CPU cores train in well under a second per step.
 CONFIG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+# A decoder of about 160M parameters (640 MB in fp32): checkpoint and serving throughput.
+CONFIG_160M = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                          num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=512)
 
 
 

@@ -1,4 +1,4 @@
-"""Callbacks that carry a run to deployment: merged Hugging Face export and the train-vs-deploy check.
+"""Callbacks that carry a run to deployment: merged Hugging Face (or ONNX) export and the train-vs-deploy check.
 
 Both work at any layout with `TP3DStrategy`: the live model is saved as a sharded checkpoint (every
 rank writes its own shards), then rank 0 merges it into a Hugging Face folder in one process.
@@ -8,6 +8,7 @@ Example usage::
     trainer = Trainer(strategy=TP3DStrategy(tensor_parallel_size=2, pipeline_parallel_size=2),
                       callbacks=[ExportCallback("export/hf", dtype="bf16", deploy_tp=2),
                                  ConsistencyCheck("export/check")])
+    ConsistencyCheck("export/onnx-check", engine="onnxruntime")   # the live model against ONNX Runtime
 """
 
 from __future__ import annotations
@@ -36,24 +37,37 @@ from lightning_tp3d.diagnostics.consistency import (
     rounded_to,
     run_with_layer_outputs,
 )
+from lightning_tp3d.diagnostics.engines import onnxruntime_outputs
 from lightning_tp3d.io.checkpoint_format import read_meta
 from lightning_tp3d.io.deploy import DEPLOY_SHARDS, deploy_folder
 from lightning_tp3d.io.export import HF_EXPORT, ExportResult, export_checkpoint
 from lightning_tp3d.io.folders import check_output_folder
 from lightning_tp3d.io.hf import EXPORT_DTYPES
+from lightning_tp3d.io.onnx_export import ONNX_EXPORT, export_onnx, require_onnx
 from lightning_tp3d.parallel.attributes import indexed_blocks, resolve_attribute
 from lightning_tp3d.parallel.nf4 import quantized_parameters
 
 __all__ = ["ConsistencyCheck", "ExportCallback"]
 
 
-def _check_outputs(trainer: L.Trainer, output: Path, deploy_tp: int | None, overwrite: bool) -> None:
+_EXPORTS = {"hf": (HF_EXPORT, export_checkpoint), "onnx": (ONNX_EXPORT, export_onnx)}  # format -> kind, writer
+
+
+def _check_format(format: str) -> None:
+    if format not in _EXPORTS:
+        raise ValueError(f"format={format!r} is not one of {sorted(_EXPORTS)}.")
+    if format == "onnx":
+        require_onnx()
+
+
+def _check_outputs(trainer: L.Trainer, output: Path, deploy_tp: int | None, overwrite: bool,
+                   format: str = "hf") -> None:
     """Refuse, before training, an export folder holding what this package did not write (rank 0 looks,
     every rank raises)."""
     problem = None
     if trainer.is_global_zero:
         try:
-            check_output_folder(output, HF_EXPORT, overwrite)
+            check_output_folder(output, _EXPORTS[format][0], overwrite)
             if deploy_tp is not None:
                 check_output_folder(deploy_folder(output, deploy_tp), DEPLOY_SHARDS, overwrite)
         except FileExistsError as error:
@@ -63,14 +77,15 @@ def _check_outputs(trainer: L.Trainer, output: Path, deploy_tp: int | None, over
         raise FileExistsError(problem)
 
 
-def _export_live_model(trainer: L.Trainer, output: Path, **options: Any) -> ExportResult | None:
-    """Save the live model as a sharded checkpoint next to `output`, merge it on rank 0, remove it."""
+def _export_live_model(trainer: L.Trainer, output: Path, format: str = "hf", **options: Any) -> ExportResult | None:
+    """Save the live model as a sharded checkpoint next to `output`, merge it on rank 0 (into a Hugging Face
+    folder, or an ONNX one), remove it."""
     checkpoint = output.with_name(output.name + ".source.ckpt")
     trainer.save_checkpoint(checkpoint)
     finish = getattr(trainer.strategy, "finish_pending_save", None)
     if finish is not None:
         finish()
-    result = export_checkpoint(checkpoint, output, **options) if trainer.is_global_zero else None
+    result = _EXPORTS[format][1](checkpoint, output, **options) if trainer.is_global_zero else None
     trainer.strategy.barrier("export")
     if trainer.is_global_zero:
         shutil.rmtree(checkpoint)
@@ -78,12 +93,14 @@ def _export_live_model(trainer: L.Trainer, output: Path, **options: Any) -> Expo
 
 
 class ExportCallback(Callback):
-    """Write a Hugging Face folder (and optionally deploy-TP shards) at the end of fit, and with every
-    `every_n_checkpoints`-th checkpoint `ModelCheckpoint` saves (into `<output>-step-<its global step>`).
+    """Write a Hugging Face folder (and optionally deploy-TP shards), or with `format="onnx"` an ONNX folder
+    (`io.onnx_export`), at the end of fit, and with every `every_n_checkpoints`-th checkpoint
+    `ModelCheckpoint` saves (into `<output>-step-<its global step>`).
 
     Args:
         output: the folder of the final export.
-        dtype / max_shard_size / deploy_tp: as `tp3d export`.
+        dtype / max_shard_size / deploy_tp: as `tp3d export` (the last two: Hugging Face folders only).
+        format: "hf" (default) or "onnx" (needs the [onnx] extra; checked when the callback is made).
         every_n_checkpoints: also export every n-th saved checkpoint (None: only at the end).
         overwrite: replace `output` even if it holds files that are not an earlier export (checked when
             fit starts; by default such a folder is refused before training).
@@ -93,10 +110,15 @@ class ExportCallback(Callback):
 
     def __init__(self, output: str | Path, dtype: str = "fp32", max_shard_size: str | int = "5GB",
                  deploy_tp: int | None = None, every_n_checkpoints: int | None = None, overwrite: bool = False,
-                 base: str | Path | None = None) -> None:
+                 base: str | Path | None = None, format: str = "hf") -> None:
+        _check_format(format)
+        if format == "onnx" and deploy_tp is not None:
+            raise ValueError("ExportCallback(format='onnx') writes one merged graph: deploy_tp goes with format='hf'.")
         self.output = Path(output)
-        self.options = {"dtype": dtype, "max_shard_size": max_shard_size, "deploy_tp": deploy_tp,
-                        "overwrite": overwrite, "base": base}
+        self.format = format
+        self.options: dict[str, Any] = {"dtype": dtype, "overwrite": overwrite, "base": base}
+        if format == "hf":
+            self.options |= {"max_shard_size": max_shard_size, "deploy_tp": deploy_tp}
         self.every_n_checkpoints = every_n_checkpoints
         self.result: ExportResult | None = None
         self._saves = 0
@@ -112,7 +134,7 @@ class ExportCallback(Callback):
                 " pass ExportCallback(base=FOLDER), the Hugging Face folder the base was loaded from, or export the"
                 " adapter after fit with `tp3d export CKPT OUT --adapter`."
             )
-        _check_outputs(trainer, self.output, self.options["deploy_tp"], self.options["overwrite"])
+        _check_outputs(trainer, self.output, self.options.get("deploy_tp"), self.options["overwrite"], self.format)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._saves += 1
@@ -129,11 +151,11 @@ class ExportCallback(Callback):
             finish()
         if trainer.is_global_zero:
             step = read_meta(saved).global_step
-            export_checkpoint(saved, self.output.with_name(f"{self.output.name}-step-{step}"), **self.options)
+            _EXPORTS[self.format][1](saved, self.output.with_name(f"{self.output.name}-step-{step}"), **self.options)
         trainer.strategy.barrier("export")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.result = _export_live_model(trainer, self.output, **self.options)
+        self.result = _export_live_model(trainer, self.output, self.format, **self.options)
         if self.result is not None:
             rank_zero_info(f"Exported {self.result.folder} ({len(self.result.files)} file(s)).")
 
@@ -142,7 +164,8 @@ class ConsistencyCheck(Callback):
     """At the end of fit, compare the live parallel model with its merged export loaded in one process.
 
     Fixed prompts go through the live model (every rank takes part: tensor and pipeline parallel forward)
-    and through the export loaded by transformers (or this package's decoder without transformers). The
+    and through the export loaded by transformers (or this package's decoder without transformers), or with
+    `engine="onnxruntime"` through its ONNX export run by ONNX Runtime (`diagnostics.engines`). The
     report (max |logit diff|, KL, each decoder layer's max |diff|, the first layer over tolerance) is
     logged as `consistency/*` and kept in `self.report`; over the tolerance it raises (or warns).
 
@@ -159,11 +182,24 @@ class ConsistencyCheck(Callback):
         use_transformers: load the export with transformers when it is installed.
         raise_on_failure: raise `RuntimeError` when the check fails (else a warning).
         overwrite: as `ExportCallback`'s.
+        engine: "transformers" (default: the Hugging Face export) or "onnxruntime" (the ONNX export; needs
+            the [onnx] extra). vLLM serves on its own GPUs: check there with `tp3d check --engine vllm`.
+        batch_size: prompts per length (default 2 with "onnxruntime", whose batch axis is dynamic, else 1).
     """
 
     def __init__(self, output: str | Path, dtype: str = "fp32", tolerance: float | None = None,
                  prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS, use_transformers: bool = True,
-                 raise_on_failure: bool = True, overwrite: bool = False, warn_above: float = WARN_ABOVE) -> None:
+                 raise_on_failure: bool = True, overwrite: bool = False, warn_above: float = WARN_ABOVE,
+                 engine: str = "transformers", batch_size: int | None = None) -> None:
+        if engine not in ("transformers", "onnxruntime"):
+            hint = " vLLM serves on its own GPUs: run `tp3d check EXPORT --checkpoint CKPT --engine vllm` there." \
+                if engine == "vllm" else ""
+            raise ValueError(f"engine={engine!r} is not 'transformers' or 'onnxruntime'.{hint}")
+        if engine == "onnxruntime":
+            require_onnx()
+        self.engine = engine
+        self.format = "onnx" if engine == "onnxruntime" else "hf"
+        self.batch_size = batch_size or (2 if engine == "onnxruntime" else 1)
         self.output = Path(output)
         self.overwrite = overwrite
         self.dtype = dtype
@@ -177,12 +213,13 @@ class ConsistencyCheck(Callback):
         self.report: ConsistencyReport | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        _check_outputs(trainer, self.output, None, self.overwrite)
+        _check_outputs(trainer, self.output, None, self.overwrite, self.format)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         network = trainer.strategy.network
         prompts = [prompt.to(pl_module.device) for prompt in fixed_prompts(network.config.vocab_size,
-                                                                           self.prompt_lengths)]
+                                                                           self.prompt_lengths,
+                                                                           batch_size=self.batch_size)]
         # the blocks where the model's family keeps them (a PEFT model's are under its prefix)
         layers = indexed_blocks(resolve_attribute(network, trainer.strategy.core.model_adapter_of(network)
                                                   .layers_attribute, "layers_attribute"))
@@ -193,10 +230,13 @@ class ConsistencyCheck(Callback):
                 live = _gather_to_rank_zero(run_with_layer_outputs(network, prompts, layers), trainer)
             unrounded = None if self.dtype == "fp32" else run_with_layer_outputs(network, prompts, layers)[0]
         network.train(was_training)
-        _export_live_model(trainer, self.output, dtype=self.dtype, overwrite=self.overwrite)
+        _export_live_model(trainer, self.output, self.format, dtype=self.dtype, overwrite=self.overwrite)
         if trainer.is_global_zero:
-            exported = model_from_hf_folder(self.output, use_transformers=self.use_transformers)
-            outputs = run_with_layer_outputs(exported, [p.cpu() for p in prompts])
+            on_cpu = [prompt.cpu() for prompt in prompts]
+            if self.engine == "onnxruntime":
+                outputs = onnxruntime_outputs(self.output, on_cpu)
+            else:
+                outputs = run_with_layer_outputs(model_from_hf_folder(self.output, self.use_transformers), on_cpu)
             self.report = compare_outputs(live, outputs, self.tolerance, self.warn_above)
             if unrounded is not None:
                 self.report.precision_max_abs_diff = compare_outputs((unrounded, []), outputs).max_abs_diff

@@ -5,6 +5,8 @@
     tp3d plan path/to/config.json --tp 2 --json
     tp3d export checkpoints/last.ckpt export/hf --dtype bf16 --deploy-tp 2 --max-shard-size 5GB
     tp3d check export/hf --checkpoint checkpoints/last.ckpt
+    tp3d export checkpoints/last.ckpt export/onnx --format onnx
+    tp3d check export/onnx --checkpoint checkpoints/last.ckpt --engine onnxruntime
     tp3d verify checkpoints/last.ckpt
     tp3d profile --config examples/tiny_2x2x2.yaml --steps 3 --output profile
     tp3d plan deepseek-llm-67b --serve --gpu-memory 80GiB --max-model-len 4096 --deploy-tp 4 8
@@ -22,6 +24,9 @@ per mesh dimension and warns with fixes.
 compares an export's logits, as transformers computes them, with the checkpoint's weights rounded to the
 export's dtype: PASS <= 1e-3 < WARN <= 1e-2 < FAIL on the max |logit diff| (exit status 1 on FAIL, naming
 the first layer over the PASS band; a warning on WARN or when the export's dtype is not the training one).
+`export --format onnx` writes the merged model as an ONNX graph (`lightning_tp3d.io.onnx_export`) and
+`check --engine onnxruntime` runs it in ONNX Runtime, `--engine vllm` serves a Hugging Face export with vLLM
+on a GPU (`lightning_tp3d.diagnostics.engines`), against the same bands.
 `verify` checks a checkpoint's files against the SHA-256 recorded when they were written, without loading
 a model (`export` and `check --checkpoint` check the files they read unless `--no-verify`).
 """
@@ -45,7 +50,10 @@ __all__ = ["main"]
 def _export_parser(subparsers: argparse._SubParsersAction) -> None:
     export = subparsers.add_parser("export", help="merge a checkpoint into a Hugging Face folder")
     export.add_argument("checkpoint", help="a lightning_tp3d checkpoint folder (any layout)")
-    export.add_argument("output", help="the Hugging Face folder to write")
+    export.add_argument("output", help="the Hugging Face (or ONNX) folder to write")
+    export.add_argument("--format", choices=["hf", "onnx"], default="hf",
+                        help="hf: safetensors and config.json (default); onnx: model.onnx for ONNX Runtime"
+                             " (needs the [onnx] extra)")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     export.add_argument("--deploy-tp", type=int, nargs="+", default=None, metavar="N",
                         help="also write per-rank folders for an N-way tensor-parallel server (one folder per N,"
@@ -67,6 +75,16 @@ def _export_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     from lightning_tp3d.io.export import export_checkpoint, export_lora_adapter
 
+    if args.format == "onnx":
+        if args.adapter or args.deploy_tp is not None:
+            raise ValueError("--format onnx writes one merged graph; it does not go with --adapter or --deploy-tp.")
+        from lightning_tp3d.io.onnx_export import export_onnx
+
+        result = export_onnx(args.checkpoint, args.output, dtype=args.dtype, overwrite=args.overwrite,
+                             verify=not args.no_verify, base=args.base)
+        print(f"wrote {result.folder}: {', '.join(result.files)}, {result.total_bytes:,} bytes (ONNX Runtime:"
+              " InferenceSession(folder/model.onnx), input input_ids, output logits)")
+        return 0
     if args.adapter:
         if args.deploy_tp is not None:
             raise ValueError("--deploy-tp shards a whole model; it does not go with --adapter.")
@@ -86,14 +104,20 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _check_parser(subparsers: argparse._SubParsersAction) -> None:
     check = subparsers.add_parser("check", help="compare an export's logits with its checkpoint's")
-    check.add_argument("export", help="a Hugging Face folder")
+    check.add_argument("export", help="a Hugging Face folder (an ONNX export folder with --engine onnxruntime)")
     check.add_argument("--checkpoint", default=None,
                        help="the checkpoint it came from (default: compare transformers with this package's decoder)")
+    check.add_argument("--engine", choices=["transformers", "onnxruntime", "vllm"], default="transformers",
+                       help="what runs the export: transformers (default), onnxruntime (an ONNX export) or vllm"
+                            " (a Hugging Face export, on a CUDA machine); the last two need --checkpoint")
+    check.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor-parallel size")
     check.add_argument("--tolerance", type=float, default=None,
                        help="FAIL above this max |logit diff| (default 1e-2)")
     check.add_argument("--warn-above", type=float, default=None,
                        help="WARN above this max |logit diff|, PASS at or below (default 1e-3)")
     check.add_argument("--prompt-lengths", type=int, nargs="+", default=None)
+    check.add_argument("--batch-size", type=int, default=None,
+                       help="prompts per length (default 2 with --engine onnxruntime, else 1)")
     check.add_argument("--no-transformers", action="store_true", help="load the export into this package's decoder")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument("--no-verify", action="store_true",
@@ -102,7 +126,7 @@ def _check_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from lightning_tp3d.diagnostics import consistency
+    from lightning_tp3d.diagnostics import consistency, engines
     from lightning_tp3d.io.checkpoint_format import read_meta
     from lightning_tp3d.io.hf import EXPORT_DTYPES
 
@@ -110,11 +134,17 @@ def _run_check(args: argparse.Namespace) -> int:
     if not (export / "config.json").is_file():
         raise FileNotFoundError(f"{export} is not a Hugging Face folder (no config.json in it); write one with"
                                 " `tp3d export CHECKPOINT OUTPUT`.")
+    if args.engine != "transformers" and args.checkpoint is None:
+        raise ValueError(f"--engine {args.engine} compares what the engine serves with the trained model: pass"
+                         " --checkpoint CHECKPOINT, the checkpoint the export came from.")
+    if args.engine == "onnxruntime":  # refused before anything is loaded
+        engines.onnxruntime_providers(export)
+    elif args.engine == "vllm":
+        engines.require_vllm()
     config = json.loads((export / "config.json").read_text())
     dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype_name, "fp32")
     _quiet_transformers()
-    candidate = consistency.model_from_hf_folder(export, use_transformers=not args.no_transformers)
     if args.checkpoint is not None:
         reference = consistency.model_from_checkpoint(args.checkpoint, verify=not args.no_verify)
         trained = SERVING_DTYPE.get(read_meta(args.checkpoint).precision or "", None)
@@ -123,17 +153,26 @@ def _run_check(args: argparse.Namespace) -> int:
                   f" you trained in, or expect its logits to move by the difference reported below.", file=sys.stderr)
     else:
         reference = consistency.model_from_hf_folder(export, use_transformers=False)
-    prompts = consistency.fixed_prompts(config["vocab_size"],
-                                        args.prompt_lengths or consistency.DEFAULT_PROMPT_LENGTHS)
+    batch_size = args.batch_size or (2 if args.engine == "onnxruntime" else 1)
+    prompts = consistency.fixed_prompts(config["vocab_size"], args.prompt_lengths or consistency.DEFAULT_PROMPT_LENGTHS,
+                                        batch_size=batch_size)
     fail_above = args.tolerance if args.tolerance is not None else consistency.FAIL_ABOVE
     warn_above = args.warn_above if args.warn_above is not None else consistency.WARN_ABOVE
-    exported = consistency.run_with_layer_outputs(candidate, prompts)  # run once, compared twice below
-    with consistency.rounded_to(reference, EXPORT_DTYPES[dtype]):
-        rounded = consistency.run_with_layer_outputs(reference, prompts)
-    report = consistency.compare_outputs(rounded, exported, fail_above, warn_above)
-    if dtype != "fp32":
-        unrounded = consistency.run_with_layer_outputs(reference, prompts)
-        report.precision_max_abs_diff = consistency.compare_outputs(unrounded, exported).max_abs_diff
+    if args.engine == "vllm":
+        served = engines.vllm_prompt_logprobs(export, prompts, args.tensor_parallel_size)
+        with consistency.rounded_to(reference, EXPORT_DTYPES[dtype]):
+            logits = consistency.run_with_layer_outputs(reference, prompts)[0]
+        report = engines.compare_prompt_logprobs(logits, served, fail_above, warn_above)
+    else:
+        exported = (engines.onnxruntime_outputs(export, prompts) if args.engine == "onnxruntime" else
+                    consistency.run_with_layer_outputs(
+                        consistency.model_from_hf_folder(export, use_transformers=not args.no_transformers), prompts))
+        with consistency.rounded_to(reference, EXPORT_DTYPES[dtype]):
+            rounded = consistency.run_with_layer_outputs(reference, prompts)
+        report = consistency.compare_outputs(rounded, exported, fail_above, warn_above)
+        if dtype != "fp32":
+            unrounded = consistency.run_with_layer_outputs(reference, prompts)
+            report.precision_max_abs_diff = consistency.compare_outputs(unrounded, exported).max_abs_diff
     print(json.dumps(report.to_dict(), indent=2) if args.json else f"{report.summary()}\n{report.layer_table()}")
     if report.verdict == "WARN":
         print(f"warning: max |logit diff| {report.max_abs_diff:.3e} is above the PASS band ({warn_above:.0e});"
@@ -244,7 +283,9 @@ _LIGHTNING_SUBCOMMANDS = {"fit": "train a model (LightningCLI: tp3d fit --config
                           "predict": "run the prediction loop (LightningCLI)"}
 _PACKAGE = Path(__file__).resolve().parents[1]
 _REFUSAL_MODULES = {"lightning_tp3d.io.checkpoint_format": "CheckpointError",
-                    "lightning_tp3d.strategies.features": "UnsupportedFeatureError"}
+                    "lightning_tp3d.strategies.features": "UnsupportedFeatureError",
+                    "lightning_tp3d.io.onnx_export": "MissingExtraError",
+                    "lightning_tp3d.diagnostics.engines": "EngineUnavailableError"}
 
 
 def _refusal_types() -> tuple[type[BaseException], ...]:
@@ -290,8 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as error:
-        if isinstance(error, RuntimeError) and not isinstance(error, _refusal_types()):
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError, ImportError) as error:
+        if isinstance(error, (RuntimeError, ImportError)) and not isinstance(error, _refusal_types()):
             raise
         print(f"tp3d {args.command}: error: {error}", file=sys.stderr)
         return 2

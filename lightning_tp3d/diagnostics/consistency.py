@@ -40,8 +40,10 @@ __all__ = [
     "FAIL_ABOVE",
     "WARN_ABOVE",
     "ConsistencyReport",
+    "ModelOutputs",
     "compare_models",
     "compare_outputs",
+    "decoder_layers",
     "default_tolerance",
     "exact_fp32_matmuls",
     "fixed_prompts",
@@ -144,13 +146,13 @@ class ConsistencyReport:
 
 
 def fixed_prompts(vocab_size: int, lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS,
-                  seed: int = 1234) -> list[torch.Tensor]:
-    """Token-id prompts of the given lengths, shape [1, length], the same on every call and rank."""
+                  seed: int = 1234, batch_size: int = 1) -> list[torch.Tensor]:
+    """Token-id prompts of the given lengths, shape [batch_size, length], the same on every call and rank."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab_size, (1, length), generator=generator) for length in lengths]
+    return [torch.randint(0, vocab_size, (batch_size, length), generator=generator) for length in lengths]
 
 
-def _decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
+def decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
     """The blocks by index, where the model's family keeps them (`models.families`)."""
     layers_attribute = resolve_model_adapter(model).layers_attribute
     return indexed_blocks(resolve_attribute(model, layers_attribute, "layers_attribute"))
@@ -160,7 +162,7 @@ def _decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
 def run_with_layer_outputs(model: nn.Module | Callable[[torch.Tensor], Any], prompts: Sequence[torch.Tensor],
                            layers: dict[int, nn.Module] | None = None) -> ModelOutputs:
     """Logits and each decoder layer's output (float32, CPU) for every prompt."""
-    layers = _decoder_layers(model) if layers is None else layers
+    layers = decoder_layers(model) if layers is None else layers
     captured: dict[int, torch.Tensor] = {}
 
     def keep(index: int) -> Callable[..., None]:
