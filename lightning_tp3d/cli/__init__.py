@@ -11,6 +11,7 @@
     tp3d profile --config examples/tiny_2x2x2.yaml --steps 3 --output profile
     tp3d plan deepseek-llm-67b --serve --gpu-memory 80GiB --max-model-len 4096 --deploy-tp 4 8
     torchrun --nproc-per-node 8 -m lightning_tp3d.cli doctor --tp 2 --pp 2
+    tp3d run --nnodes 1:2 --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d ... train.py
 
 `fit`, `validate`, `test` and `predict` run LightningCLI (see `lightning_tp3d.cli.lightning`).
 `profile` runs a `fit` config for a few steps under the step profiler (`lightning_tp3d.cli.profile`)
@@ -27,6 +28,8 @@ the first layer over the PASS band; a warning on WARN or when the export's dtype
 `export --format onnx` writes the merged model as an ONNX graph (`lightning_tp3d.io.onnx_export`) and
 `check --engine onnxruntime` runs it in ONNX Runtime, `--engine vllm` serves a Hugging Face export with vLLM
 on a GPU (`lightning_tp3d.diagnostics.engines`), against the same bands.
+`run` is torchrun with its agent's store unshared, which its restarts after a lost node need
+(`lightning_tp3d.cli.launch`).
 `verify` checks a checkpoint's files against the SHA-256 recorded when they were written, without loading
 a model (`export` and `check --checkpoint` check the files they read unless `--no-verify`).
 """
@@ -306,6 +309,10 @@ def _raised_here(error: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # every further argument is torchrun's
+        from lightning_tp3d.cli.launch import run_torchrun
+
+        return run_torchrun(argv[1:])
     if argv and (argv[0] in _LIGHTNING_SUBCOMMANDS or argv[0] == "profile" and "--help" not in argv[1:2]):
         from lightning_tp3d.cli.lightning import run_lightning_cli
         from lightning_tp3d.cli.profile import run_profile
@@ -321,6 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, description in _LIGHTNING_SUBCOMMANDS.items():  # listed here, run by LightningCLI above
         subparsers.add_parser(name, help=description, add_help=False)
+    subparsers.add_parser("run", help="torchrun, with its elastic restarts made to recover (arguments: torchrun's)",
+                          add_help=False)
     subparsers.add_parser("profile", help="where each rank's step time goes (a fit config, under the step profiler)",
                           parents=[profile_arguments()], add_help=False)
     plan_parser(subparsers)

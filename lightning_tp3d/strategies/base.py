@@ -135,13 +135,14 @@ class TP3DStrategyBase:
 def warn_if_restarts_cannot_recover() -> None:
     """Under torchrun with restarts, warn when the workers share the agent's rendezvous store: torch 2.5 to
     2.13 then re-read the previous attempt's addresses on a restart after a lost rank, and the new process
-    group never forms (pytorch/pytorch#135712); `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoids it."""
+    group never forms (pytorch/pytorch#135712); `tp3d run` (torchrun with the store unshared) avoids it."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(
             os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
         rank_zero_warn(
             "torchrun shares its rendezvous store with the workers, so a restart after a lost rank or node fails to"
-            " form the new process group (pytorch/pytorch#135712): launch torchrun with"
-            " TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for --max-restarts to recover (docs/operating.md)."
+            " form the new process group (pytorch/pytorch#135712): launch with `tp3d run` (torchrun's arguments;"
+            " it unshares the store) or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for --max-restarts to recover"
+            " (docs/operating.md)."
         )
 
 

@@ -1,6 +1,7 @@
 """A lost node costs a restart, not the run: two torchrun agents of 4 CPU processes each ("nodes" on one
-machine, c10d rendezvous, `--nnodes 1:2 --max-restarts 3`) train `examples/train_elastic.py` at
-(tp, pp, dp) = (2, 2, 2), a global batch of 8 (per-rank batches of 2, 2 accumulated), saving `last.ckpt`
+machine, c10d rendezvous, `--nnodes 1:2 --max-restarts 3`), started by the documented command (`tp3d
+run`, torchrun's arguments) with nothing set in the environment for it, train `examples/train_elastic.py`
+at (tp, pp, dp) = (2, 2, 2), a global batch of 8 (per-rank batches of 2, 2 accumulated), saving `last.ckpt`
 every step. Once a checkpoint of step 3 exists, the second agent and its workers are killed (SIGKILL).
 The first agent's workers fail in their next collective, it restarts them at a world of 4, and they
 resume by themselves (`ckpt_path="last"`) at dp 1, accumulating 4. Once they have logged a step, the
@@ -27,6 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lightning_tp3d.cli.launch import UNSHARED_STORE_VARIABLE
 from lightning_tp3d.io.checkpoint_format import load_model_tensors, read_meta
 from tests.helpers import LEARNING_RATE, SEQ_LEN, assert_adam_weights_close, reference_run
 
@@ -54,14 +56,16 @@ def _kill_node(agent: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def elastic_run(tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("elastic")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "4",
+    command = [sys.executable, "-m", "lightning_tp3d.cli", "run", "--nnodes", "1:2", "--nproc-per-node", "4",
                "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
                "--rdzv-id", "tp3d-elastic-test",
                "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
                "examples/train_elastic.py", "--output", str(output), "--steps", str(STEPS),
                "--global-batch", str(GLOBAL_BATCH), "--batch-size", str(PER_RANK_BATCH), "--data", "tiny",
                "--seq-len", str(SEQ_LEN), "--learning-rate", str(LEARNING_RATE), "--val-fraction", "0.2"]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # the documented command alone: `tp3d run` unshares torchrun's store, the test sets nothing for it
+    environment = {name: value for name, value in os.environ.items() if name != UNSHARED_STORE_VARIABLE}
+    environment["OMP_NUM_THREADS"] = "1"
     logs = [open(output / f"agent{index}.log", "w") for index in range(2)]  # noqa: SIM115 - closed below
     agents = []
     try:
