@@ -4,8 +4,9 @@ The planner (`tp3d plan`, `tp3d --help`, the advisor) imports neither torch nor 
 package must not. Yet once a user's program has imported both, in either order, the package is connected:
 `Trainer(strategy="tp3d")` and `Fabric(strategy="tp3d")` find the strategies in Lightning's registries,
 `LightningModule.load_from_checkpoint(folder)` reads a checkpoint folder, `ckpt_path="last"` finds
-checkpoints on remote storage, and a known Lightning / torch deprecation is quiet (`_compat.lightning`).
-`connect()` does the four, once, at the first moment when
+checkpoints on remote storage, Lightning's own `grad_norm` gives whole-model norms under the package's
+strategies, and a known Lightning / torch deprecation is quiet (`_compat.lightning`).
+`connect()` does the five, once, at the first moment when
 Lightning is imported and no module of this package is in the middle of its own import (it imports the
 strategies, which may be what imported Lightning):
 
@@ -36,7 +37,8 @@ _connected = False
 
 def connect() -> None:
     """Register "tp3d" with the Trainer's and Fabric's registries, let `load_from_checkpoint` read checkpoint
-    folders and `ckpt_path="last"` find remote ones, and quiet the known deprecation; once per process (later
+    folders and `ckpt_path="last"` find remote ones, route Lightning's `grad_norm` to the package's, and
+    quiet the known deprecation; once per process (later
     calls return at once)."""
     global _connected
     if _connected:
@@ -50,14 +52,17 @@ def connect() -> None:
         quiet_known_deprecations,
         read_checkpoint_folders_with,
         resolve_last_checkpoint_with,
+        route_grad_norm_with,
     )
     from lightning_tp3d.io.checkpoint_format import is_checkpoint_folder, read_lightning_checkpoint
     from lightning_tp3d.strategies import TP3DFabricStrategy, TP3DStrategy
     from lightning_tp3d.strategies.features import last_remote_checkpoint
+    from lightning_tp3d.strategies.grad_norm import grad_norm
 
     read_checkpoint_folders_with(is_checkpoint_folder, read_lightning_checkpoint)
     resolve_last_checkpoint_with(
         lambda trainer: last_remote_checkpoint(trainer) if isinstance(trainer.strategy, TP3DStrategy) else None)
+    route_grad_norm_with(grad_norm)  # under TP3DStrategy whole-model norms, else Lightning's own code
     quiet_known_deprecations()  # a Lightning / torch mismatch, harmless: `_compat.lightning`
     if TP3DStrategy.strategy_name not in StrategyRegistry:
         TP3DStrategy.register_strategies(StrategyRegistry)

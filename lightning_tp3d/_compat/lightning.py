@@ -65,8 +65,9 @@ def should_accumulate(trainer: Any) -> bool:
 
 
 def attached_trainer(module: Any) -> Any | None:
-    """The Trainer `module` is attached to, or None (`LightningModule.trainer` raises when there is none)."""
-    return module._trainer
+    """The Trainer `module` is attached to, or None (`LightningModule.trainer` raises when there is none; a
+    plain `nn.Module` has none)."""
+    return getattr(module, "_trainer", None)
 
 
 def last_checkpoint_saved(callback: Any) -> str:
@@ -154,6 +155,39 @@ def resolve_last_checkpoint_with(find_last: Callable[[Any], str | None]) -> None
 
     _parse_ckpt_path.__wrapped__ = original
     _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path
+
+
+_GRAD_NORM_ROUTE = "_lightning_tp3d_grad_norm_route"  # the name the routed code finds in Lightning's module
+
+
+def _routed_grad_norm(module: Any, norm_type: Any, group_separator: str = "/") -> Any:
+    """The code Lightning's `grad_norm` runs once routed: a call of the route its module's globals hold."""
+    return _lightning_tp3d_grad_norm_route(module, norm_type, group_separator)  # noqa: F821 - Lightning's global
+
+
+def route_grad_norm_with(route: Callable[[Any, Any, str], Any]) -> None:
+    """Make Lightning's own `grad_norm` (`lightning.pytorch.utilities.grads.grad_norm`) call
+    `route(module, norm_type, group_separator)`. Users import the function before any strategy exists
+    (`from lightning.pytorch.utilities import grad_norm`), so its code object is replaced in place and every
+    reference taken earlier is routed too; Lightning's own code stays callable as `lightning_grad_norm()`.
+    Lightning 2.6.6's signature (module, norm_type, group_separator="/")."""
+    from lightning.pytorch.utilities import grads
+
+    function = grads.grad_norm
+    if not hasattr(function, "__wrapped__"):
+        original = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                                      function.__defaults__, function.__closure__)
+        original.__doc__ = function.__doc__
+        function.__wrapped__ = original
+        function.__code__ = _routed_grad_norm.__code__
+    function.__globals__[_GRAD_NORM_ROUTE] = route
+
+
+def lightning_grad_norm() -> Callable[..., Any]:
+    """Lightning's own `grad_norm`, as Lightning wrote it (also once `route_grad_norm_with` has routed it)."""
+    from lightning.pytorch.utilities import grads
+
+    return getattr(grads.grad_norm, "__wrapped__", grads.grad_norm)
 
 
 def compare_finetuning_parameters_with(equal: Callable[[Any, Any], bool]) -> Callable[[], None]:

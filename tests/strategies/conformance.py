@@ -42,6 +42,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.tuner import Tuner
+from lightning.pytorch.utilities import grad_norm as lightning_grad_norm  # as users import it: before any strategy
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_tp3d import TP3DFabricStrategy, TP3DStrategy, grad_norm
@@ -675,14 +676,33 @@ def grad_norm_helper(run: Run) -> dict[str, Any]:
     return {"norms": norms.norms}
 
 
+class _LogsLightningGradNorm(ConformanceModule):
+    """Lightning's documented idiom, unchanged: its own `grad_norm` logged in `on_before_optimizer_step`."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.log_dict(lightning_grad_norm(self, norm_type=2))
+
+
+def lightning_grad_norm_idiom(run: Run) -> dict[str, Any]:
+    """Every step's logged norms: each parameter's under its full name, and the total."""
+    run.trainer(max_steps=2).fit(_LogsLightningGradNorm(), run.data())
+    names = sorted({name for _, name, _ in run.logger.records if name.startswith("grad_2.0_norm")})
+    return {"names": names, "norms": {name: run.logger.values(name) for name in names}}
+
+
 def load_from_checkpoint(run: Run) -> dict[str, Any]:
-    checkpoint = ModelCheckpoint(dirpath=run.path("checkpoints"), filename="{step}", every_n_train_steps=2)
+    """One process reads the checkpoint, as a user after training would: a step's, and the `last.ckpt` that
+    `save_last=True` writes, with `map_location="cpu"`."""
+    checkpoint = ModelCheckpoint(dirpath=run.path("checkpoints"), filename="{step}", every_n_train_steps=2,
+                                 save_last=True)
     run.trainer(callbacks=[checkpoint], enable_checkpointing=True, max_steps=2).fit(ConformanceModule(), run.data())
     record: dict[str, Any] = {"rank": run.rank}
-    if run.rank == 0:  # one process reads the checkpoint, as a user after training would
+    if run.rank == 0:
         module = ConformanceModule.load_from_checkpoint(run.path("checkpoints") / "step=2.ckpt")
         record["weights"] = {name: value.detach().clone() for name, value in module.state_dict().items()}
         record["hparams"] = dict(module.hparams)
+        last = ConformanceModule.load_from_checkpoint(run.path("checkpoints") / "last.ckpt", map_location="cpu")
+        record["last_weights"] = {name: value.detach().clone() for name, value in last.state_dict().items()}
     return record
 
 
@@ -861,8 +881,12 @@ CASES: dict[str, Case] = {
     "reduce_boolean_decision": Case("strategy.reduce_boolean_decision (all / any)", reduce_boolean_decision,
                                     ("2x1x2", "1x2x2")),
     "grad_norm": Case("lightning_tp3d.grad_norm (Lightning's grad_norm)", grad_norm_helper,
-                      note="Lightning's own helper norms local shards: use this one"),
-    "load_from_checkpoint": Case("LightningModule.load_from_checkpoint(folder)", load_from_checkpoint),
+                      note="the same as Lightning's own, which is routed to it"),
+    "lightning_grad_norm": Case("self.log_dict(lightning.pytorch.utilities.grad_norm(self, 2))",
+                                lightning_grad_norm_idiom,
+                                note="whole-model norms under every parameter's full name, on every rank"),
+    "load_from_checkpoint": Case("LightningModule.load_from_checkpoint(folder, or its last.ckpt)",
+                                 load_from_checkpoint),
     "checkpoint_before_first_step": Case("trainer.save_checkpoint before the first step, then train and resume",
                                          checkpoint_before_first_step),
     "compiled_network": Case("torch.compile(model) in configure_model", compiled_network,

@@ -141,9 +141,10 @@ def _evaluation(record: dict, expected: dict, rank: int, dp: int, coordinates: t
 def _weights(record: dict, expected: dict, rank: int, dp: int, coordinates: tuple[int, int], where: str) -> None:
     if rank == 0:
         assert record["hparams"] == expected["hparams"], where
-        assert record["weights"].keys() == expected["weights"].keys(), where
-        for key, value in expected["weights"].items():
-            assert_adam_weights_close(record["weights"][key], value, f"{where} {key}")
+        for weights in ("weights", "last_weights"):  # a step's checkpoint, and `save_last`'s last.ckpt
+            assert record[weights].keys() == expected[weights].keys(), where
+            for key, value in expected[weights].items():
+                assert_adam_weights_close(record[weights][key], value, f"{where} {weights} {key}")
 
 
 def _max_time(record: dict, expected: dict, rank: int, dp: int, coordinates: tuple[int, int], where: str) -> None:
