@@ -13,6 +13,8 @@ A body that raises fails its test with every failing rank named and its tracebac
 stopped after its timeout: each silent rank's stacks are dumped (faulthandler) into the error, the world's
 processes are killed, and the next call starts new ones, so one broken test does not take the rest with it.
 `fresh=True` runs a body on newly started processes that exit afterwards, for one that must not share them.
+`start_distributed` sends a job and returns at once, so that the test's own process computes its one-process
+reference on the cores the ranks leave idle, before it takes the ranks' results.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["results_by_name", "run_distributed", "shutdown_workers", "worker_pids"]
+__all__ = ["PendingRun", "results_by_name", "run_distributed", "shutdown_workers", "start_distributed",
+           "worker_pids"]
 
 # after the first rank fails, how long the others have to finish (or fail) before they count as stuck
 GRACE_SECONDS = 10.0
@@ -45,6 +48,9 @@ GRACE_SECONDS = 10.0
 DUMP_SECONDS = 5.0
 # a worker whose resident memory grew past this (compiled code, caches) is replaced after its job
 RECYCLE_BYTES = 2 * 1024**3
+# ... and one left with more threads than this: each gloo context a job leaves alive keeps a transport thread
+# that wakes every 10 ms, which on two cores costs every later test its share of the CPU
+RECYCLE_THREADS = 48
 # the tail of a failing worker's output shown with its error
 LOG_TAIL_CHARS = 6000
 
@@ -100,6 +106,28 @@ def _clear_dtensor_caches() -> None:
 
     _clear_sharding_prop_cache()  # Python's and the C++ fast path's, "the recommended way to clear all"
     clear_redistribute_planner_cache()
+    for cache in _distributed_caches():
+        cache.cache_clear()
+
+
+def _distributed_caches() -> Iterator[Any]:
+    """The `functools` caches of torch.distributed's modules and of their classes (DTensor's transform plans,
+    `MeshTopoInfo.build_from_mesh`, ...). Their keys hold device meshes, and a mesh holds its process groups:
+    left filled, they keep every job's gloo contexts (three threads each) alive for the worker's life."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for value in list(vars(module).values()):
+            members = [value]
+            if isinstance(value, type) and value.__module__ == name:
+                members += [getattr(member, "__func__", member) for member in vars(value).values()]
+            # `functools.lru_cache` / `functools.cache` wrappers (the only objects with `cache_parameters`)
+            yield from (member for member in members if not isinstance(member, type)
+                        and callable(getattr(member, "cache_parameters", None)))
+
+
+def _thread_count() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
 
 
 def _resident_bytes() -> int:
@@ -152,7 +180,8 @@ def _serve(rank: int, connection: Connection, log_path: str) -> None:
             keep = False
         sys.stdout.flush()
         sys.stderr.flush()
-        connection.send((status, value, keep and _resident_bytes() < RECYCLE_BYTES))
+        connection.send((status, value, keep and _resident_bytes() < RECYCLE_BYTES
+                         and _thread_count() <= RECYCLE_THREADS))
 
 
 @dataclass
@@ -186,11 +215,24 @@ class _Worker:
         self.connection.close()
 
 
+@dataclass
+class _Job:
+    """A job sent to the first `world_size` workers and not collected yet."""
+
+    target: str
+    world_size: int
+    timeout: float
+    workers: list[_Worker]
+    offsets: dict[int, int]  # each worker's log size when the job was sent
+    started: float
+
+
 class _Pool:
     """Workers by rank, started when a world first needs them and replaced when one is killed or recycled."""
 
     def __init__(self) -> None:
         self.workers: dict[int, _Worker] = {}
+        self.pending: _Job | None = None
         self.log_directory = tempfile.mkdtemp(prefix="tp3d-workers-")
 
     def start(self, ranks: Iterable[int]) -> None:
@@ -214,10 +256,15 @@ class _Pool:
                 worker.stop(graceful)
 
     def shutdown(self) -> None:
+        self.pending = None
         self.drop(list(self.workers), graceful=True)
         shutil.rmtree(self.log_directory, ignore_errors=True)
 
-    def run(self, world_size: int, target: str, args: tuple, timeout: float) -> list[Any]:
+    def submit(self, world_size: int, target: str, args: tuple, timeout: float) -> _Job:
+        """Send the job to ranks 0 .. world_size - 1 and return at once; `collect` waits for its results."""
+        if self.pending is not None:
+            raise RuntimeError(f"{self.pending.target} is still running on the live workers; collect its"
+                               " results before sending another job")
         self.start(range(world_size))
         workers = [self.workers[rank] for rank in range(world_size)]
         offsets = {worker.rank: worker.log_size() for worker in workers}
@@ -226,6 +273,18 @@ class _Pool:
         started = time.monotonic()  # before any worker starts its own clock
         for worker in workers:
             worker.connection.send(job)
+        self.pending = _Job(target, world_size, timeout, workers, offsets, started)
+        return self.pending
+
+    def run(self, world_size: int, target: str, args: tuple, timeout: float) -> list[Any]:
+        return self.collect(self.submit(world_size, target, args, timeout))
+
+    def collect(self, job: _Job) -> list[Any]:
+        """Wait for `job`'s replies; its results by rank, or the error naming each failing or silent rank."""
+        assert job is self.pending, "a job is collected once, by the pool that sent it"
+        self.pending = None
+        target, world_size, timeout, workers, offsets, started = (job.target, job.world_size, job.timeout,
+                                                                   job.workers, job.offsets, job.started)
         replies: dict[int, tuple[str, Any, bool]] = {}
         waiting = {worker.connection: worker for worker in workers}
         dead: list[int] = []
@@ -290,6 +349,24 @@ def run_distributed(world_size: int, target: str, *args: Any, timeout: float = 6
         return pool.run(world_size, target, args, timeout)
     finally:
         pool.shutdown()
+
+
+class PendingRun:
+    """A `run_distributed` call sent to the live workers and running while the caller works on: `result()`
+    waits for it and returns (or raises) what `run_distributed` would have."""
+
+    def __init__(self, job: _Job) -> None:
+        self._job = job
+
+    def result(self) -> list[Any]:
+        return _POOL.collect(self._job)
+
+
+def start_distributed(world_size: int, target: str, *args: Any, timeout: float = 600.0) -> PendingRun:
+    """`run_distributed(world_size, target, *args)` on the live workers, returned at once: the caller's own
+    process meanwhile does single-process work (a test's one-process reference) on the cores the ranks
+    leave idle. No other call may use the workers until its `result()` is taken."""
+    return PendingRun(_POOL.submit(world_size, target, args, timeout))
 
 
 def worker_pids(world_size: int) -> list[int | None]:

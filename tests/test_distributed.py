@@ -1,6 +1,7 @@
 """The session's live worlds (`tests.distributed`): a body runs on live workers as on fresh processes, a body
 that fails on one rank fails its call with that rank named, a body that hangs is stopped by its timeout with
-its stacks shown, and the call after either runs normally.
+its stacks shown, and the call after either runs normally; a job's process groups do not outlive it, and a
+job started with `start_distributed` runs while the caller works.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed, worker_pids
+from tests.distributed import run_distributed, start_distributed, worker_pids
 
 pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
 
@@ -61,6 +62,51 @@ def fail_on_rank_one_while_rank_zero_waits() -> int:
         raise RuntimeError("rank one fails while rank zero waits for it")
     time.sleep(3600)  # as a rank waiting for its failed peer without a timeout would
     return 0
+
+
+def redistribute_over_a_mesh() -> int:
+    """Fill DTensor's caches with a 2 x 1 mesh's groups: a redistribution plan and the mesh's topology."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("dp", "tp"))
+    tensor = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0), Replicate()])
+    return int(tensor.redistribute(mesh, [Replicate(), Replicate()]).to_local().sum().item())
+
+
+def gloo_threads() -> int:
+    """The threads of gloo's contexts (a transport loop and two workers per group) alive in this process."""
+    names = []
+    for thread in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{thread}/comm") as comm:
+            names.append(comm.read().strip())
+    return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
+
+
+def test_a_job_s_process_groups_do_not_outlive_it():
+    """DTensor's function caches key on meshes, which hold their groups: the pool clears them after each
+    job, so a worker does not collect the gloo threads of every job it ran (each transport thread wakes every
+    10 ms, and hundreds of them made later tests several times slower). A worker's first DTensor job leaves
+    at most one group's threads (torch keeps its first default group's context), and later jobs none."""
+    assert run_distributed(WORLD, "tests.test_distributed:redistribute_over_a_mesh") == [28, 28]
+    first = run_distributed(WORLD, "tests.test_distributed:gloo_threads")
+    assert all(threads <= 3 for threads in first), first
+    for _ in range(3):
+        assert run_distributed(WORLD, "tests.test_distributed:redistribute_over_a_mesh") == [28, 28]
+    assert run_distributed(WORLD, "tests.test_distributed:gloo_threads") == first
+
+
+def test_a_started_job_runs_while_the_caller_works_and_its_result_is_taken_once():
+    started = time.monotonic()
+    running = start_distributed(WORLD, "tests.test_distributed:report")
+    assert time.monotonic() - started < 5  # sent, not waited for
+    with pytest.raises(RuntimeError, match="is still running on the live workers"):
+        run_distributed(WORLD, "tests.test_distributed:report")
+    assert [rank["sum"] for rank in running.result()] == [1.0, 1.0]
+    with pytest.raises(AssertionError, match="collected once"):
+        running.result()
+    assert [rank["sum"] for rank in run_distributed(WORLD, "tests.test_distributed:report")] == [1.0, 1.0]
 
 
 def test_a_live_world_runs_bodies_as_fresh_processes_would(tmp_path, monkeypatch):

@@ -1,30 +1,57 @@
 """Every `python` and `bash` block of docs/*.md runs.
 
-The blocks of one page run in order, each in its own process, in a fresh working folder holding links
-to `examples/` and `benchmarks/`; files a block writes are there for the next (so a page can train a model, export it,
-then check it). `tp3d ...` commands run as `python -m lightning_tp3d.cli ...`. Blocks that need GPUs,
-a cluster or a server are written as `console` blocks, which are shown but not run.
+The blocks of one page run in order, in a fresh working folder holding links to `examples/` and
+`benchmarks/`; files a block writes are there for the next (so a page can train a model, export it, then
+check it). A `python` block runs as `python block.py` on as many ranks of a live world as its largest
+`devices=N` asks for (one without), as torchrun would start it (`tests.commands`). A `bash` block of
+`tp3d ...` lines alone runs each line as that command on the live ranks its `--config`'s `trainer.devices`
+asks for (one without); any other `bash` block runs in bash, with `tp3d` as `python -m lightning_tp3d.cli`.
+Blocks that need GPUs, a cluster or a server are written as `console` blocks, which are shown but not run.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from tests.commands import command_on_world, script_on_world
 
 pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 PAGES = sorted((REPOSITORY / "docs").glob("*.md"))
 _BLOCK = re.compile(r"^```(python|bash)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+_DEVICES = re.compile(r"\bdevices=(\d+)")
+# a line that is one `tp3d` command with no shell syntax but a trailing comment
+_COMMAND = re.compile(r"^tp3d ([^|;&<>$`#]*?)\s*(#.*)?$")
 
 
 def _blocks(page: Path) -> list[tuple[str, str]]:
     return _BLOCK.findall(page.read_text())
+
+
+def _commands(code: str) -> list[list[str]] | None:
+    """The `tp3d` arguments of each line when every line of a bash block is one plain command, else None."""
+    lines = [line for line in code.replace("\\\n", " ").splitlines() if line.strip()]
+    matches = [_COMMAND.match(line) for line in lines]
+    return [shlex.split(match.group(1)) for match in matches] if all(matches) else None
+
+
+def _command_world(arguments: list[str], directory: Path) -> int:
+    """How many ranks `tp3d arguments` runs on: its `--trainer.devices`, else its config's, else 1."""
+    options = dict(zip(arguments, arguments[1:]))
+    if "--trainer.devices" in options:
+        return int(options["--trainer.devices"])
+    if "--config" in options:
+        return int(yaml.safe_load((directory / options["--config"]).read_text())["trainer"].get("devices", 1))
+    return 1
 
 
 def test_pages_have_runnable_code():
@@ -40,12 +67,23 @@ def test_page_code_runs(page, tmp_path):
     environment = {**os.environ, "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
     for index, (language, code) in enumerate(_blocks(page)):
+        where = f"{page.name} block {index} ({language}):\n{code}"
         if language == "python":
             script = tmp_path / f"block_{index}.py"
             script.write_text(code)
-            command = [sys.executable, str(script)]
+            world = max(map(int, _DEVICES.findall(code)), default=1)
+            try:
+                script_on_world(world, str(script), str(tmp_path))
+            except (AssertionError, TimeoutError) as error:
+                raise AssertionError(f"{where}\n{error}") from None
+        elif (commands := _commands(code)) is not None:
+            for arguments in commands:
+                results = command_on_world(_command_world(arguments, tmp_path), arguments, str(tmp_path))
+                failed = [f"rank {rank}: exit {status}\n{err[-3000:]}" for rank, (status, _, err) in enumerate(results)
+                          if status != 0]
+                assert not failed, f"{where}\n" + "\n".join(failed)
         else:
             code = re.sub(r"^tp3d ", f"{sys.executable} -m lightning_tp3d.cli ", code, flags=re.MULTILINE)
-            command = ["bash", "-euo", "pipefail", "-c", code]
-        process = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=900)
-        assert process.returncode == 0, f"{page.name} block {index} ({language}):\n{code}\n{process.stderr[-3000:]}"
+            process = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=environment,
+                                     capture_output=True, text=True, timeout=900)
+            assert process.returncode == 0, f"{where}\n{process.stderr[-3000:]}"

@@ -96,6 +96,11 @@ class ParallelCore:
             raise RuntimeError("The data-parallel mode is built when the strategy sets up its environment.")
         return self._data_parallel
 
+    def release(self) -> None:
+        """At the end of a run: remove the data-parallel mode's hooks from the parameters."""
+        if self._data_parallel is not None:
+            self._data_parallel.release()
+
     def validate_model(self, config: Any) -> None:
         """Check `config` against the layout once it is resolved (before any process group exists)."""
         if self._layout is not None:

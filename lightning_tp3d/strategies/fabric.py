@@ -100,6 +100,11 @@ class TP3DFabricStrategy(TP3DStrategyBase, ModelParallelStrategy):
         self._optimizer_steps = 0
 
     @override
+    def teardown(self) -> None:
+        self.core.release()
+        super().teardown()
+
+    @override
     def setup_environment(self) -> None:
         self.accelerator.setup_device(self.root_device)
         self._setup_distributed_mesh()

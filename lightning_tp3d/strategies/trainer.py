@@ -335,6 +335,7 @@ class TP3DStrategy(TP3DStrategyBase, ModelParallelStrategy):
             release_schedulers(self.lightning_module)
         while self._restore_lightning:
             self._restore_lightning.pop()()
+        self.core.release()
         super().teardown()
 
     @override

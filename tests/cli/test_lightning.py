@@ -1,6 +1,10 @@
 """`tp3d fit --config` through LightningCLI at (tp, pp, dp) = (2, 2, 2) on 8 CPU processes, with the
 registered name plus the `tp3d:` section and with the strategy's class_path / init_args: both runs log the
-losses of the single-process reference within 1e-5 (and the same losses as each other)."""
+losses of the single-process reference within 1e-5 (and the same losses as each other).
+
+The runs are `tp3d fit` on each rank of a live world, as `tp3d run --nproc-per-node N -m lightning_tp3d.cli
+fit ...` starts them (`tests.commands`); the refusal of a bad layout runs `tp3d fit` in a new process, where
+Lightning starts the ranks itself."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.commands import command_on_world
 from tests.helpers import LEARNING_RATE, SEQ_LEN, reference_run
 
 pytestmark = pytest.mark.distributed  # starts processes: deselect with -m 'not distributed'
@@ -28,14 +33,17 @@ OVERRIDES = ["--trainer.max_steps", str(STEPS), "--trainer.log_every_n_steps", "
              "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", "."]
 
 
+def _fit_command(world_size: int, arguments: list[str], directory: Path) -> str:
+    """`tp3d fit arguments` on `world_size` live ranks in `directory`: rank 0's standard output."""
+    results = command_on_world(world_size, ["fit", *arguments], str(directory))
+    failed = [f"rank {rank}: exit {status}\n{err[-4000:]}" for rank, (status, _, err) in enumerate(results) if status]
+    assert not failed, "\n".join(failed)
+    return results[0][1]
+
+
 def _fit(config: str, directory: Path) -> list[float]:
-    process = subprocess.run([sys.executable, "-m", "lightning_tp3d.cli", "fit", "--config", str(EXAMPLES / config),
-                              *OVERRIDES], cwd=directory, capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "OMP_NUM_THREADS": "1",
-                                  "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY),
-                                                                              os.environ.get("PYTHONPATH")]))})
-    assert process.returncode == 0, process.stderr[-4000:]
-    assert "step    1  loss " in process.stdout  # the example's PrintLosses callback
+    output = _fit_command(8, ["--config", str(EXAMPLES / config), *OVERRIDES], directory)
+    assert "step    1  loss " in output  # the example's PrintLosses callback
     (metrics,) = directory.glob("lightning_logs/version_*/metrics.csv")
     with open(metrics) as file:
         return [float(row["train_loss"]) for row in csv.DictReader(file) if row.get("train_loss")]
@@ -83,10 +91,7 @@ def _fine_tune(recipe: str, directory: Path, *overrides: str) -> tuple[torch.nn.
                  "2", "--data.init_args.source", "tiny", "--data.init_args.seq_len", str(SEQ_LEN),
                  "--data.init_args.batch_size", "4", "--data.init_args.val_fraction", "0.2",
                  "--model.init_args.learning_rate", "0.01", *overrides]
-    process = subprocess.run([sys.executable, "-m", "lightning_tp3d.cli", "fit", "--config", str(config), *arguments],
-                             cwd=directory, capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert process.returncode == 0, process.stderr[-4000:]
+    _fit_command(4, ["--config", str(config), *arguments], directory)
     (merged,) = directory.glob("export/*-merged")
     return base, transformers.AutoModelForCausalLM.from_pretrained(merged)
 

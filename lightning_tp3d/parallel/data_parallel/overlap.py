@@ -119,6 +119,7 @@ class OverlappedGradientReduction:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        self._hooks = []
 
 
 class ReplicateOverlapped(ReplicateAfterBackward):
@@ -141,6 +142,11 @@ class ReplicateOverlapped(ReplicateAfterBackward):
                                                           self.plan.data_parallel_size)
             self._parameter_ids = parameter_ids
         self._reduction.sync = completes_gradients
+
+    def release(self) -> None:
+        if self._reduction is not None:
+            self._reduction.remove()
+        self._reduction, self._parameter_ids = None, []
 
     def reduce_gradients(self, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
         if self._reduction is None:

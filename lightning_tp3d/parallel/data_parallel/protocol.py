@@ -54,6 +54,11 @@ class DataParallel:
     def after_optimizer_step(self) -> None:
         """After the optimizers' update."""
 
+    def release(self) -> None:
+        """Remove what the mode registered on the parameters, at the end of a run. A gradient hook holds its
+        parameter and the dp group, and lives in autograd's C++ state, where Python's collector cannot see
+        the cycle: left in place, every finished run would keep its network and its gloo threads."""
+
     def optimizer_owner(self, module: nn.Module) -> nn.Module:
         """The module whose parameters the optimizers hold, keyed by the same names as `module`'s."""
         return module

@@ -73,3 +73,32 @@ def test_overlapped_reduction_launches_during_backward_and_equals_the_plain_all_
         assert rank["equal"] and rank["accumulated_equal"]
         assert rank["launched_while_accumulating"] == 0
         assert "A gradient arrived after its bucket was all-reduced over dp" in rank["refused"]
+
+
+def run_fit_world() -> dict[str, Any]:
+    """A Trainer fit at dp 2 (replicate, overlapped); what of its network outlives the run."""
+    import gc
+    import weakref
+
+    import lightning as L
+
+    from lightning_tp3d import TP3DStrategy
+    from lightning_tp3d.data import TokenDataModule
+    from lightning_tp3d.models import CausalLMModule
+    from tests.helpers import SEQ_LEN, trainer_kwargs
+
+    module = CausalLMModule("tiny")
+    trainer = L.Trainer(**trainer_kwargs(devices=2, strategy=TP3DStrategy(), max_steps=2, logger=False))
+    trainer.fit(module, TokenDataModule(source="tiny", seq_len=SEQ_LEN, batch_size=2))
+    parameters = [weakref.ref(parameter) for parameter in module.parameters()]
+    del module, trainer
+    gc.collect()
+    return {"parameters": len(parameters), "alive": sum(parameter() is not None for parameter in parameters)}
+
+
+def test_a_finished_run_leaves_no_hook_and_its_network_is_freed():
+    """The strategy's teardown removes the reduction's gradient hooks: the cycle parameter -> hook ->
+    reduction -> parameter lives partly in autograd's C++ state, where Python's collector cannot free it,
+    so a kept hook would keep every finished run's network and dp group (and its gloo threads) alive."""
+    for rank in run_distributed(2, "tests.parallel.data_parallel.test_overlap:run_fit_world"):
+        assert rank["parameters"] > 0 and rank["alive"] == 0, rank
