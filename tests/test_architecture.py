@@ -95,7 +95,7 @@ def test_options_are_handed_over_whole_and_normalised() -> None:
         options.recompute = "none"
 
 
-MAX_CORE_LINES = 190  # `ParallelCore`: the wiring of layout, mesh, parallelize, the step and checkpoints
+MAX_CORE_LINES = 194  # `ParallelCore`: the wiring of layout, mesh, parallelize, the step, checkpoints, release
 LIBRARIES = ("torch", "lightning", "transformers", "peft", "torchao")
 # The standard library's underscored names that its reference documents: argparse types its sub-parsers
 # with a private class; `sys._current_frames` is the documented way to read another thread's stack.

@@ -96,8 +96,7 @@ class ParallelCore:
             raise RuntimeError("The data-parallel mode is built when the strategy sets up its environment.")
         return self._data_parallel
 
-    def release(self) -> None:
-        """At the end of a run: remove the data-parallel mode's hooks from the parameters."""
+    def release(self) -> None:  # at the end of a run: the data-parallel mode's hooks off the parameters
         if self._data_parallel is not None:
             self._data_parallel.release()
 
