@@ -60,7 +60,8 @@ class StepRecorder(Callback):
         self.seconds: list[float] = []
         self.losses: list[float] = []
         self.idle: list[float] = []
-        self.pipeline_steps: list[tuple[float, float]] = []  # (step, busy) seconds of `pipeline_timing`
+        # (step, busy, wait) seconds and compute actions of `pipeline_timing`
+        self.pipeline_steps: list[tuple[float, float, float, int]] = []
         self.gradient_wait: list[float] = []  # host seconds the dp reduction took after backward
         self._started = 0.0
 
@@ -85,4 +86,4 @@ class StepRecorder(Callback):
         timing = getattr(trainer.strategy, "pipeline_timing", None)
         if timing is not None:
             self.idle.append(timing.idle_fraction)
-            self.pipeline_steps.append((timing.step_seconds, timing.busy_seconds))
+            self.pipeline_steps.append((timing.step_seconds, timing.busy_seconds, timing.wait_seconds, timing.actions))

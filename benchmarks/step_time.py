@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_tp3d import TP3DStrategy
@@ -43,9 +44,11 @@ from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.models.adapter import llama_tp_plan
 from lightning_tp3d.parallel.tensor import apply_tensor_parallel
-from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, bubble_fraction
+from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, schedule_bubble_fraction
 
 from common import CONFIG, MACHINE, StepRecorder, benchmark_trainer
+
+_TWO_STAGES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 def _tensor_parallel(module: CausalLMModule, mesh: Any) -> CausalLMModule:
@@ -114,24 +117,61 @@ def _paired_rounds(make_baseline: Callable[[], Any], make_candidate: Callable[[]
             "rounds": pairs}
 
 
-def _pipeline_run(schedule: str, microbatches: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One pp = 2 run; per rank the medians (after warm-up) of the step and of its busy time, and the idle
-    share they give."""
+class _Executor(Callback):
+    """Chooses the pipeline runner's path before the first step: the package's executor or torch's
+    `schedule.step` every step (`PipelineRunner.own_executor`)."""
+
+    def __init__(self, own: bool) -> None:
+        self.own = own
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        trainer.strategy.core.pipeline.own_executor = self.own
+
+
+def _pipeline_once(schedule: str, microbatches: int, own_executor: bool, args: argparse.Namespace
+                   ) -> list[dict[str, float]]:
+    """One pp = 2 run; per rank the medians (after warm-up) of the step, its compute (busy), its waits for
+    point-to-point data and its compute actions, the idle share and the time per action outside compute."""
     looped = 2 if schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble") else 1
     strategy = TP3DStrategy(pipeline_parallel_size=2, pipeline_schedule=schedule, num_microbatches=microbatches,
                             stages_per_rank=looped)
     timer = StepRecorder()
-    trainer = benchmark_trainer(2, strategy, args.steps, [timer])
+    trainer = benchmark_trainer(2, strategy, args.steps, [timer, _Executor(own_executor)])
     trainer.fit(CausalLMModule(CONFIG), TokenDataModule(seq_len=args.seq_len, batch_size=args.batch))
     steps = timer.pipeline_steps[3:]
-    step = statistics.median(seconds for seconds, _ in steps)
-    busy = statistics.median(busy for _, busy in steps)
-    part = {"step_seconds": step, "busy_seconds": busy, "idle_fraction": max(0.0, 1 - busy / step)}
+    step, busy, wait = (statistics.median(values[index] for values in steps) for index in range(3))
+    actions = steps[0][3]
+    part = {"step_seconds": step, "busy_seconds": busy, "wait_seconds": wait, "actions": actions,
+            "idle_fraction": max(0.0, 1 - busy / step),
+            "compute_ms_per_action": busy / actions * 1e3, "wait_ms_per_action": wait / actions * 1e3,
+            "host_ms_per_action": max(0.0, step - busy - wait) / actions * 1e3}
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, part)
-    closed_form = schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
-    return {"ranks": ranks, "stages_per_rank": looped,
-            "theory_idle_fraction": bubble_fraction(2, microbatches, looped) if closed_form else None}
+    return ranks
+
+
+def _pipeline_run(schedule: str, microbatches: int, args: argparse.Namespace) -> dict[str, Any]:
+    """torch's schedule ("torch") and the package's executor ("executor") in paired rounds (order
+    alternating); per path and rank the medians over rounds, the idle share's mean over ranks, and the
+    median over rounds of executor / torch step time (slowest rank); the bound the idle must keep:
+    1.25 x theory + 0.02."""
+    rounds: list[dict[str, list[dict[str, float]]]] = []
+    for index in range(args.pipeline_rounds):
+        paths = ("torch", "executor") if index % 2 == 0 else ("executor", "torch")
+        rounds.append({path: _pipeline_once(schedule, microbatches, path == "executor", args) for path in paths})
+    theory = schedule_bubble_fraction(schedule, 2, microbatches)
+    result: dict[str, Any] = {"stages_per_rank": 2 if schedule in _TWO_STAGES else 1,
+                              "theory_idle_fraction": theory, "bound_idle_fraction": 1.25 * theory + 0.02}
+    for path in ("torch", "executor"):
+        ranks = [{key: statistics.median(run[path][rank][key] for run in rounds) for key in rounds[0][path][rank]}
+                 for rank in range(len(rounds[0][path]))]
+        result[path] = {"ranks": ranks, "mean_idle_fraction": statistics.mean(rank["idle_fraction"] for rank in ranks)}
+    result["executor_within_bound"] = result["executor"]["mean_idle_fraction"] <= result["bound_idle_fraction"]
+    result["step_ratio_executor_over_torch"] = statistics.median(
+        max(rank["step_seconds"] for rank in run["executor"]) / max(rank["step_seconds"] for rank in run["torch"])
+        for run in rounds)
+    result["rounds"] = rounds
+    return result
 
 
 def main() -> None:
@@ -144,6 +184,9 @@ def main() -> None:
     parser.add_argument("--pairs", nargs="*", default=None,
                         help="run only the comparisons whose name contains one of these words (default: all)")
     parser.add_argument("--no-pipeline", action="store_true", help="leave out the pipeline idle table")
+    parser.add_argument("--pipeline-rounds", type=int, default=3,
+                        help="paired rounds of torch's schedule and the package's executor per pipeline row")
+    parser.add_argument("--schedules", nargs="*", default=None, help="pipeline schedules to run (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     chosen = {name: makers for name, makers in PAIRS.items()
@@ -152,7 +195,7 @@ def main() -> None:
                                "paired": {name: _paired_rounds(*makers, args.rounds, args)
                                           for name, makers in chosen.items()},
                                "pipeline": {}}
-    for schedule in () if args.no_pipeline else PIPELINE_SCHEDULES:
+    for schedule in () if args.no_pipeline else (args.schedules or PIPELINE_SCHEDULES):
         for microbatches in (4, 8):
             results["pipeline"][f"{schedule} m={microbatches}"] = _pipeline_run(schedule, microbatches, args)
     if torch.distributed.get_rank() != 0:
@@ -169,11 +212,14 @@ def main() -> None:
             print(f"{'':48s} dp reduction after backward: {result['median_gradient_wait_seconds'][0] * 1e3:.2f} ->"
                   f" {result['median_gradient_wait_seconds'][1] * 1e3:.2f} ms")
     for name, run in results["pipeline"].items():
-        theory = run["theory_idle_fraction"]
-        for rank, part in enumerate(run["ranks"]):
-            print(f"pp=2 {name:28s} rank {rank}: {part['step_seconds'] * 1e3:6.1f} ms, busy"
-                  f" {part['busy_seconds'] * 1e3:6.1f} ms, idle {part['idle_fraction']:6.1%}"
-                  f" (theory {'-' if theory is None else f'{theory:.1%}'})")
+        for path in ("torch", "executor"):
+            for rank, part in enumerate(run[path]["ranks"]):
+                print(f"pp=2 {name:28s} {path:8s} rank {rank}: step {part['step_seconds'] * 1e3:6.1f} ms, idle"
+                      f" {part['idle_fraction']:6.1%}; per action: compute {part['compute_ms_per_action']:.2f},"
+                      f" wait {part['wait_ms_per_action']:.2f}, host {part['host_ms_per_action']:.2f} ms")
+        print(f"pp=2 {name:28s} mean idle torch {run['torch']['mean_idle_fraction']:.1%}, executor"
+              f" {run['executor']['mean_idle_fraction']:.1%} (theory {run['theory_idle_fraction']:.1%}, bound"
+              f" {run['bound_idle_fraction']:.1%}); step executor / torch {run['step_ratio_executor_over_torch']:.3f}")
     Path(args.output).write_text(json.dumps(results, indent=2))
 
 

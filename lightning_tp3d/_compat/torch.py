@@ -28,14 +28,17 @@ changed between the versions the package supports (`torch>=2.6`).
   process group a functional collective's `group` argument means. The step profiler labels them; expert
   parallelism's token exchange is its `all_to_all_single_autograd` (`torch.distributed.nn.functional`'s
   autograd all-to-all is deprecated in favour of it).
-* `pipeline_orders` (a multi-stage schedule's `pipeline_order` and its `_Action`s, built from stand-in
-  stages): the order in which each rank runs its stages' actions, for the planner's timeline.
+* `pipeline_orders` / `compute_order` (a multi-stage schedule's `pipeline_order` and its `_Action`s, the
+  former from stand-in stages): the order in which each rank runs its stages' actions, for the planner's
+  timeline and the pipeline's own executor; `timed_schedule_waits` (`schedules._wait_batch_p2p`): the time
+  torch's schedule spends waiting for its sends and receives, reported beside the executor's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from importlib.metadata import version
 from typing import Any
@@ -54,6 +57,7 @@ __all__ = [
     "TORCH_VERSION",
     "AsyncCollectiveTensor",
     "all_gather_single",
+    "compute_order",
     "default_store",
     "dynamo_counters",
     "flatten_dense_tensors",
@@ -69,6 +73,7 @@ __all__ = [
     "process_group_options",
     "recorded_collectives",
     "reduce_scatter_single",
+    "timed_schedule_waits",
     "unflatten_dense_tensors",
 ]
 
@@ -167,12 +172,39 @@ def pipeline_orders(schedule_class: str, pp_size: int, num_microbatches: int,
     num_stages = sum(map(len, stage_indices))
     stages = [_OrderOnlyStage(index, num_stages, pp_size) for index in stage_indices[0]]
     schedule = get_schedule_class(schedule_class)(stages, num_microbatches)
-    orders: dict[int, list[tuple[str, int, int]]] = {}
-    for rank, actions in schedule.pipeline_order.items():
-        flat = [part for action in actions if action is not None
-                for part in (action.sub_actions if action.sub_actions is not None else (action,))]
-        orders[rank] = [(part.computation_type.value, part.stage_index, part.microbatch_index) for part in flat]
-    return orders
+    return {rank: compute_order(schedule, rank) for rank in schedule.pipeline_order}
+
+
+@contextlib.contextmanager
+def timed_schedule_waits(interval: Callable[[], Any]) -> Iterator[None]:
+    """Inside, each wait of torch's schedules for their sends and receives (`schedules._wait_batch_p2p`)
+    is timed by `interval()` (an object with `stop()`, started when made): the time a rank spent blocked
+    on point-to-point communication under torch's own schedule (read from torch 2.13)."""
+    from torch.distributed.pipelining import schedules
+
+    untimed = schedules._wait_batch_p2p
+
+    def timed(works: Any) -> None:
+        started = interval()
+        try:
+            untimed(works)
+        finally:
+            started.stop()
+
+    schedules._wait_batch_p2p = timed
+    try:
+        yield
+    finally:
+        schedules._wait_batch_p2p = untimed
+
+
+def compute_order(schedule: Any, rank: int) -> list[tuple[str, int, int]]:
+    """Rank `rank`'s compute actions in a multi-stage torch schedule's `pipeline_order`, as (kind,
+    stage, micro-batch) with kind F, B, I or W; an overlapped forward and backward (DualPipeV) is its
+    forward then its backward, as torch runs them (read from torch 2.13)."""
+    flat = [part for action in schedule.pipeline_order[rank] if action is not None
+            for part in (action.sub_actions if action.sub_actions is not None else (action,))]
+    return [(part.computation_type.value, part.stage_index, part.microbatch_index) for part in flat]
 
 
 class _OrderOnlyStage:

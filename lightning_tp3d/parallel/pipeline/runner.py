@@ -1,4 +1,9 @@
-"""Running whole batches through this rank's pipeline stages with a `torch.distributed.pipelining` schedule.
+"""Running whole batches through this rank's pipeline stages in a `torch.distributed.pipelining` schedule's order.
+
+A step at a new input shape runs torch's schedule (`schedule.step`), which infers the stages' shapes and
+allocates their receive buffers; every later step on gloo runs the same order with the package's
+executor (`executor`: receives posted when the step starts, each action waiting only for its own input).
+On NCCL every step runs torch's schedule (`PipelineRunner.own_executor`).
 
 Loss: each micro-batch's loss is the mean over its tokens and the schedule divides gradients by the
 number of micro-batches, so gradients equal those of the whole batch's mean loss when micro-batches
@@ -16,11 +21,13 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from lightning_tp3d._compat.torch import AsyncCollectiveTensor
+from lightning_tp3d._compat.torch import AsyncCollectiveTensor, compute_order, timed_schedule_waits
 from lightning_tp3d.parallel.labels import PIPELINE_COMPUTE, PIPELINE_SCHEDULE, label
+from lightning_tp3d.parallel.pipeline.executor import ActionExecutor
 from lightning_tp3d.parallel.timing import DeviceInterval
 from lightning_tp3d.parallel.vocab_parallel import loss_takes_sharded_logits, sharded_logits
 from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES, PipelinePlan
+from lightning_tp3d.plan.timeline import single_stage_orders
 
 __all__ = ["PipelineRunner", "StageTiming"]
 
@@ -29,22 +36,27 @@ _MAX_DIMS = 8  # dims of a tensor sent between stages in forward-only runs
 
 
 class StageTiming:
-    """Time of the last training step on this rank and the time its stages spent computing.
+    """Time of the last training step on this rank, the time its stages spent computing and, under the
+    package's executor, the time it waited for another rank's data.
 
     busy = time inside this rank's stages' forward, backward and weight-gradient chunks and the last
     stage's loss (communication between stages excluded), idle = step - busy. Theory for GPipe / 1F1B
-    with p stages and m micro-batches: idle fraction (p - 1) / (m + p - 1). Measured on the device's clock
-    (`DeviceInterval`: CUDA events on a GPU), resolved when read, so an unread timing costs the step no
-    synchronisation.
+    with p stages and m micro-batches: idle fraction (p - 1) / (m + p - 1). wait = time blocked on
+    point-to-point communication (the executor's waits for received activations and gradients; torch's
+    schedule's waits for its batched sends and receives); step - busy - wait is the runner's own host
+    work. `actions` = compute chunks of the step.
+    Measured on the device's clock (`DeviceInterval`: CUDA events on a GPU), resolved when read, so an
+    unread timing costs the step no synchronisation.
     """
 
     def __init__(self, device_type: str = "cpu") -> None:
         self.device_type = device_type
         self._step: DeviceInterval | None = None
         self._chunks: list[DeviceInterval] = []
+        self._waits: list[DeviceInterval] = []
 
     def start_step(self) -> None:
-        self._chunks = []
+        self._chunks, self._waits = [], []
         self._step = DeviceInterval(self.device_type)
 
     def stop_step(self) -> None:
@@ -55,6 +67,19 @@ class StageTiming:
         interval = DeviceInterval(self.device_type)
         self._chunks.append(interval)
         return interval
+
+    def wait(self) -> DeviceInterval:
+        interval = DeviceInterval(self.device_type)
+        self._waits.append(interval)
+        return interval
+
+    @property
+    def actions(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def wait_seconds(self) -> float:
+        return sum(interval.seconds for interval in self._waits)
 
     @property
     def step_seconds(self) -> float:
@@ -96,7 +121,8 @@ class PipelineRunner:
     Train: forward and backward through the schedule over `num_microbatches` micro-batches (gradients
     accumulate in the parameters); returns the batch's mean loss (detached). Eval and predict: the whole
     batch passes stage after stage without a schedule; returns the loss, or without labels the logits
-    broadcast from the last stage.
+    broadcast from the last stage. `own_executor` (True on gloo): steps after a shape's first run the
+    schedule's order with `ActionExecutor`; False runs torch's `schedule.step` every step (NCCL).
     """
 
     def __init__(
@@ -111,7 +137,8 @@ class PipelineRunner:
         self.pp_group = pp_group
         self.device = device
         self.loss_scale: torch.Tensor | float = 1.0  # fp16 loss scale / gradient accumulation steps
-        self._schedules: dict[tuple, object] = {}
+        self._schedules: dict[tuple, tuple[object, ActionExecutor]] = {}
+        self.own_executor = dist.get_backend(pp_group) == dist.Backend.GLOO
         self._last_stage_src = dist.get_global_rank(pp_group, plan.last_stage_pp_rank)
         self.has_first_stage = 0 in plan.stage_indices
         self.has_last_stage = plan.num_stages - 1 in plan.stage_indices
@@ -122,7 +149,7 @@ class PipelineRunner:
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) * self.loss_scale
 
-    def _schedule(self, input_shape: torch.Size):
+    def _schedule(self, input_shape: torch.Size) -> tuple[object, ActionExecutor]:
         # Stages infer activation shapes on their first run, so one schedule per input shape.
         key = tuple(input_shape)
         if key not in self._schedules:
@@ -133,9 +160,20 @@ class PipelineRunner:
             schedule_class = get_schedule_class(PIPELINE_SCHEDULES[self.plan.schedule])
             target = stages[0] if len(stages) == 1 else stages
             # the last stage's loss (outside its forward chunk in torch's schedules) is its work too
-            self._schedules[key] = schedule_class(target, self.num_microbatches,
-                                                  loss_fn=_timed(self._scaled_loss, self.timing))
+            loss_fn = _timed(self._scaled_loss, self.timing)
+            schedule = schedule_class(target, self.num_microbatches, loss_fn=loss_fn)
+            executor = ActionExecutor(stages, self._order(schedule), self.num_microbatches, loss_fn, self.timing.wait)
+            self._schedules[key] = schedule, executor
         return self._schedules[key]
+
+    def _order(self, schedule: object) -> list[tuple[str, int, int]]:
+        """This rank's actions as torch's schedule runs them: GPipe and 1F1B by their rule (their
+        `pipeline_order` is only a picture), the multi-stage schedules by their `pipeline_order`."""
+        pp_rank = dist.get_rank(self.pp_group)
+        if self.plan.schedule in ("gpipe", "1f1b"):
+            return single_stage_orders(self.plan.schedule, dist.get_world_size(self.pp_group),
+                                       self.num_microbatches)[pp_rank]
+        return compute_order(schedule, pp_rank)
 
     def _stage_owner(self, stage: int) -> int:
         pp_size = dist.get_world_size(self.pp_group)
@@ -207,8 +245,9 @@ class PipelineRunner:
                 f" equal micro-batches; use a per-rank batch size that is a multiple of {self.num_microbatches}."
             )
         first_step = tuple(input_ids.shape) not in self._schedules
-        schedule = self._schedule(input_ids.shape)
+        schedule, executor = self._schedule(input_ids.shape)
         args = (input_ids,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
         losses: list[torch.Tensor] = []
         # A schedule's first step infers the stages' shapes by a backward through uninitialised tensors (torch
         # 2.13), which anomaly detection (`Trainer(detect_anomaly=True)`) takes for a NaN on the last stage only.
@@ -216,7 +255,12 @@ class PipelineRunner:
             self.timing.start_step()
             with (torch.autograd.set_detect_anomaly(False) if first_step else contextlib.nullcontext(),
                   self._loss_logits()):
-                schedule.step(*args, target=labels if self.has_last_stage else None, losses=losses)
+                if first_step or not self.own_executor:
+                    with timed_schedule_waits(self.timing.wait):
+                        schedule.step(*args, target=target, losses=losses)
+                else:
+                    losses = executor.step(input_ids.tensor_split(self.num_microbatches) if args else None,
+                                           target.tensor_split(self.num_microbatches) if target is not None else None)
             self.timing.stop_step()
         loss = None
         if self.has_last_stage:
