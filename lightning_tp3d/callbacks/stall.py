@@ -59,6 +59,7 @@ log = logging.getLogger("lightning_tp3d")
 _OBSERVERS = (0, 1)
 _WARM_UP_STEPS = 2  # the first steps (compilation, allocation) are left out of the median
 _COMMUNICATION_MODULES = ("torch.distributed.distributed_c10d", "torch.distributed._functional_collectives")
+_PIPELINE_MODULES = ("torch.distributed.pipelining", "lightning_tp3d.parallel.pipeline")
 
 
 def newest_collectives(entries: list[dict[str, Any]], after_record: int = -1) -> dict[str, dict[str, Any]]:
@@ -85,12 +86,13 @@ def newest_record(entries: list[dict[str, Any]]) -> int:
 
 def communication_wait(thread_id: int) -> str | None:
     """Where thread `thread_id` waits for communication: the innermost frame of its stack in torch's
-    collectives or a pipeline transfer's wait (`module.function`), else None."""
+    collectives or a pipeline transfer's wait, torch's schedule's or the package's executor's
+    (`module.function`), else None."""
     frame = sys._current_frames().get(thread_id)
     while frame is not None:
         module, function = frame.f_globals.get("__name__", ""), frame.f_code.co_name
         if module.startswith(_COMMUNICATION_MODULES) or (
-                module.startswith("torch.distributed.pipelining") and ("wait" in function or "p2p" in function)):
+                module.startswith(_PIPELINE_MODULES) and ("wait" in function or "p2p" in function)):
             return f"{module}.{function}"
         frame = frame.f_back
     return None

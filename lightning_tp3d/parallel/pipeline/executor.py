@@ -105,6 +105,11 @@ class ActionExecutor:
             work.wait()
         interval.stop()
 
+    @staticmethod
+    def _wait_for_sends(works: list[dist.Work]) -> None:
+        for work in works:
+            work.wait()
+
     def step(self, input_chunks: Sequence[torch.Tensor] | None, target_chunks: Sequence[torch.Tensor] | None
              ) -> list[torch.Tensor]:
         """One step over the micro-batches `input_chunks` (on the first stage's rank) and `target_chunks`
@@ -143,8 +148,7 @@ class ActionExecutor:
                 backwards[index] += 1
                 stage.backward_weight_one_chunk(microbatch,
                                                 last_backward=backwards[index] == self.num_microbatches)
-        for work in sends:
-            work.wait()
+        self._wait_for_sends(sends)
         for stage in self.stages.values():
             stage.perform_reduce_grad(self.num_microbatches)
         return [losses[microbatch] for microbatch in sorted(losses)]
