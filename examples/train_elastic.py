@@ -4,7 +4,7 @@ Run the same command on every node; here two "nodes" of 4 CPU processes on one m
 
     torchrun --nnodes 1:2 --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d \\
         --rdzv-endpoint 127.0.0.1:29400 --rdzv-id tiny-elastic \\
-        --rdzv-conf last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3 \\
+        --rdzv-conf last_call_timeout=15,keep_alive_interval=1,keep_alive_max_attempt=3 \\
         examples/train_elastic.py --output runs/elastic
 
 tp x pp stay 2 x 2 and dp is what the world leaves: 2 with both nodes, 1 with one. Every step trains on

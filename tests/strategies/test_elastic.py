@@ -53,13 +53,23 @@ def _kill_node(agent: subprocess.Popen) -> None:
         process.kill()
 
 
+def _wait_until_hosting(agent: subprocess.Popen, port: int, timeout: float = 120) -> None:
+    """Wait until `agent` listens on the rendezvous `port`: the c10d backend's store is hosted by the first
+    agent that binds the endpoint, and the agent killed below must not be the one hosting it."""
+    deadline = time.monotonic() + timeout
+    while not any(connection.laddr.port == port and connection.status == psutil.CONN_LISTEN
+                  for connection in psutil.Process(agent.pid).net_connections(kind="tcp")):
+        assert time.monotonic() < deadline and agent.poll() is None, f"the first agent never bound port {port}"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def elastic_run(tmp_path_factory) -> Path:
-    output = tmp_path_factory.mktemp("elastic")
+    output, port = tmp_path_factory.mktemp("elastic"), _free_port()
     command = [sys.executable, "-m", "lightning_tp3d.cli", "run", "--nnodes", "1:2", "--nproc-per-node", "4",
-               "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+               "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", "tp3d-elastic-test",
-               "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
+               "--rdzv-conf", "last_call_timeout=15,keep_alive_interval=1,keep_alive_max_attempt=3",
                "examples/train_elastic.py", "--output", str(output), "--steps", str(STEPS),
                "--global-batch", str(GLOBAL_BATCH), "--batch-size", str(PER_RANK_BATCH), "--data", "tiny",
                "--seq-len", str(SEQ_LEN), "--learning-rate", str(LEARNING_RATE), "--val-fraction", "0.2"]
@@ -69,10 +79,12 @@ def elastic_run(tmp_path_factory) -> Path:
     logs = [open(output / f"agent{index}.log", "w") for index in range(2)]  # noqa: SIM115 - closed below
     agents = []
     try:
-        for log in logs:  # the second agent joins within the first's last call: both start in one world
+        # the first agent hosts the rendezvous store (the node that stays up); the second joins within the
+        # first's last call, so that both start in one world
+        for log in logs:
             agents.append(subprocess.Popen(command, cwd=REPOSITORY, env=environment, stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True))
-            time.sleep(0.5)
+            _wait_until_hosting(agents[0], port)
         # Lightning saves a step's checkpoint before it logs the step's loss: wait for both, so that the
         # first attempt's log holds every step up to the checkpoint the restart resumes from
         meta, deadline = output / "checkpoints" / "last.ckpt" / "meta.json", time.monotonic() + 300
