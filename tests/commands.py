@@ -55,7 +55,10 @@ def script_on_world(world_size: int, script: str, directory: str, timeout: float
     run_distributed(world_size, "tests.commands:_run_script", script, directory, timeout=timeout)
 
 
-def command_on_world(world_size: int, argv: Sequence[str], directory: str, timeout: float = 600.0
-                     ) -> list[tuple[int, str, str]]:
-    """`tp3d argv` in `directory` on `world_size` live ranks: each rank's (exit status, stdout, stderr)."""
-    return run_distributed(world_size, "tests.commands:_run_command", list(argv), directory, timeout=timeout)
+def command_on_world(world_size: int, argv: Sequence[str], directory: str, timeout: float = 600.0) -> list[str]:
+    """`tp3d argv` in `directory` on `world_size` live ranks: each rank's standard output. A rank whose exit
+    status is not 0 fails the call, named with its status and the tail of its standard error."""
+    results = run_distributed(world_size, "tests.commands:_run_command", list(argv), directory, timeout=timeout)
+    failed = [f"rank {rank}: exit {status}\n{err[-4000:]}" for rank, (status, _, err) in enumerate(results) if status]
+    assert not failed, f"tp3d {' '.join(argv)}\n" + "\n".join(failed)
+    return [out for _, out, _ in results]

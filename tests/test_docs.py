@@ -64,26 +64,26 @@ def test_pages_have_runnable_code():
 def test_page_code_runs(page, tmp_path):
     for folder in ("examples", "benchmarks"):
         (tmp_path / folder).symlink_to(REPOSITORY / folder)
-    environment = {**os.environ, "OMP_NUM_THREADS": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
     for index, (language, code) in enumerate(_blocks(page)):
-        where = f"{page.name} block {index} ({language}):\n{code}"
-        if language == "python":
-            script = tmp_path / f"block_{index}.py"
-            script.write_text(code)
-            world = max(map(int, _DEVICES.findall(code)), default=1)
-            try:
-                script_on_world(world, str(script), str(tmp_path))
-            except (AssertionError, TimeoutError) as error:
-                raise AssertionError(f"{where}\n{error}") from None
-        elif (commands := _commands(code)) is not None:
-            for arguments in commands:
-                results = command_on_world(_command_world(arguments, tmp_path), arguments, str(tmp_path))
-                failed = [f"rank {rank}: exit {status}\n{err[-3000:]}" for rank, (status, _, err) in enumerate(results)
-                          if status != 0]
-                assert not failed, f"{where}\n" + "\n".join(failed)
-        else:
-            code = re.sub(r"^tp3d ", f"{sys.executable} -m lightning_tp3d.cli ", code, flags=re.MULTILINE)
-            process = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=environment,
-                                     capture_output=True, text=True, timeout=900)
-            assert process.returncode == 0, f"{where}\n{process.stderr[-3000:]}"
+        try:
+            _run_block(language, code, index, tmp_path)
+        except (AssertionError, TimeoutError) as error:
+            raise AssertionError(f"{page.name} block {index} ({language}):\n{code}\n{error}") from None
+
+
+def _run_block(language: str, code: str, index: int, directory: Path) -> None:
+    """Run one block in `directory`: a failure raises with what each failing rank or bash printed."""
+    if language == "python":
+        script = directory / f"block_{index}.py"
+        script.write_text(code)
+        script_on_world(max(map(int, _DEVICES.findall(code)), default=1), str(script), str(directory))
+    elif (commands := _commands(code)) is not None:
+        for arguments in commands:
+            command_on_world(_command_world(arguments, directory), arguments, str(directory))
+    else:
+        environment = {**os.environ, "OMP_NUM_THREADS": "1",
+                       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
+        code = re.sub(r"^tp3d ", f"{sys.executable} -m lightning_tp3d.cli ", code, flags=re.MULTILINE)
+        process = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=directory, env=environment,
+                                 capture_output=True, text=True, timeout=900)
+        assert process.returncode == 0, process.stderr[-3000:]
