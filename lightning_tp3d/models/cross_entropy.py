@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from lightning_tp3d.parallel.vocab_parallel import takes_sharded_logits, vocab_shard
 from lightning_tp3d.plan.loss import LOSS_CHUNK_ELEMENTS
 
-__all__ = ["chunked_cross_entropy"]
+__all__ = ["chunked_cross_entropy", "row_chunks"]
 
 
 @takes_sharded_logits
@@ -57,7 +57,8 @@ def chunked_cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = -1
     return _ChunkedCrossEntropy.apply(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index, rows, group, start)
 
 
-def _chunks(total: int, rows: int) -> list[slice]:
+def row_chunks(total: int, rows: int) -> list[slice]:
+    """Consecutive slices of at most `rows` rows covering `total`: the loss paths' float32 chunks."""
     return [slice(start, min(start + rows, total)) for start in range(0, total, rows)]
 
 
@@ -72,7 +73,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         targets = (labels - start).masked_fill(~owned, 0).unsqueeze(-1)
         logsumexp = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         target_logits = torch.empty_like(logsumexp)
-        for chunk in _chunks(logits.shape[0], rows):
+        for chunk in row_chunks(logits.shape[0], rows):
             z = logits[chunk].float()
             logsumexp[chunk] = torch.logsumexp(z, dim=-1)
             target_logits[chunk] = z.gather(-1, targets[chunk]).squeeze(-1)
@@ -89,7 +90,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         scale = (grad_loss / count) * valid  # per row: d loss / d row's loss
         minus_one_if_owned = -owned.unsqueeze(-1).float()
         grad = torch.empty_like(logits)
-        for chunk in _chunks(logits.shape[0], ctx.rows):
+        for chunk in row_chunks(logits.shape[0], ctx.rows):
             probabilities = (logits[chunk].float() - logsumexp[chunk].unsqueeze(-1)).exp_()
             probabilities.scatter_add_(-1, targets[chunk], minus_one_if_owned[chunk])
             grad[chunk] = probabilities.mul_(scale[chunk].unsqueeze(-1))
