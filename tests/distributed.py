@@ -79,6 +79,8 @@ class _ProcessState:
 
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        if "lightning_tp3d.parallel.mesh" in sys.modules:  # the meshes the package keeps for its next fit
+            sys.modules["lightning_tp3d.parallel.mesh"].forget_meshes()
         if "torch._dynamo" in sys.modules:
             torch.compiler.reset()
         _clear_dtensor_caches()
