@@ -79,8 +79,6 @@ class _ProcessState:
 
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        if "lightning_tp3d.parallel.mesh" in sys.modules:  # the meshes the package keeps for its next fit
-            sys.modules["lightning_tp3d.parallel.mesh"].forget_meshes()
         if "torch._dynamo" in sys.modules:
             torch.compiler.reset()
         _clear_dtensor_caches()
@@ -94,14 +92,7 @@ class _ProcessState:
         torch.use_deterministic_algorithms(self.deterministic)
         torch.set_num_threads(1)
         torch.manual_seed(self.seed)
-        # collect the job's cycles (its process groups' gloo contexts among them), then move what survives
-        # (modules, caches: ~600k objects once Lightning and transformers are imported) out of the
-        # collector's sight: a full collection over them takes 0.5 s per rank and job on the test machine,
-        # after `gc.freeze()` the next job's collection scans only what that job allocated. What a later job
-        # frees still goes by reference counting; a frozen cycle that becomes garbage is kept until the
-        # worker is recycled (`RECYCLE_BYTES`, `RECYCLE_THREADS`).
         gc.collect()
-        gc.freeze()
 
 
 def _clear_dtensor_caches() -> None:
