@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_tp3d.parallel.vocab_parallel import takes_sharded_logits, vocab_shard
+from lightning_tp3d.parallel.vocab_parallel import gather_shard_statistics, takes_sharded_logits, vocab_shard
 from lightning_tp3d.plan.loss import LOSS_CHUNK_ELEMENTS
 
 __all__ = ["chunked_cross_entropy", "row_chunks"]
@@ -100,8 +100,5 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 def _combine_vocab_shards(logsumexp: Tensor, target_logits: Tensor, group: dist.ProcessGroup
                           ) -> tuple[Tensor, Tensor]:
     """The whole rows' logsumexp and target logit from every vocabulary shard's (one all-gather of 2 N)."""
-    local = torch.stack([logsumexp, target_logits])
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local, group=group)
-    gathered = torch.stack(parts)
+    gathered = gather_shard_statistics([logsumexp, target_logits], group)
     return torch.logsumexp(gathered[:, 0], dim=0), gathered[:, 1].sum(dim=0)

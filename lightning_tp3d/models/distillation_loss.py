@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_tp3d.models.cross_entropy import row_chunks
-from lightning_tp3d.parallel.vocab_parallel import vocab_shard
+from lightning_tp3d.parallel.vocab_parallel import gather_shard_statistics, vocab_shard
 from lightning_tp3d.plan.loss import LOSS_CHUNK_ELEMENTS
 
 __all__ = ["chunked_distillation_loss"]
@@ -116,10 +116,7 @@ class _ChunkedDistillation(torch.autograd.Function):
 def _combine_vocab_shards(student_lse: Tensor, teacher_lse: Tensor, weighted_gap: Tensor, group: dist.ProcessGroup
                           ) -> tuple[Tensor, Tensor, Tensor]:
     """The whole rows' logsumexps and teacher-weighted gap from every vocabulary shard's (one all-gather of 3 N)."""
-    local = torch.stack([student_lse, teacher_lse, weighted_gap])
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local, group=group)
-    gathered = torch.stack(parts)
+    gathered = gather_shard_statistics([student_lse, teacher_lse, weighted_gap], group)
     teacher_whole = torch.logsumexp(gathered[:, 1], dim=0)
     gap = ((gathered[:, 1] - teacher_whole).exp() * gathered[:, 2]).sum(dim=0)
     return torch.logsumexp(gathered[:, 0], dim=0), teacher_whole, gap

@@ -34,7 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-__all__ = ["VocabParallelHead", "loss_takes_sharded_logits", "sharded_logits", "takes_sharded_logits", "vocab_shard"]
+__all__ = ["VocabParallelHead", "gather_shard_statistics", "loss_takes_sharded_logits", "sharded_logits",
+           "takes_sharded_logits", "vocab_shard"]
 
 _MODE = threading.local()
 _LOSS = TypeVar("_LOSS", bound=Callable[..., Any])
@@ -75,6 +76,15 @@ def vocab_shard(logits: DTensor) -> tuple[torch.Tensor, dist.ProcessGroup, int]:
     vocab, parts = logits.shape[-1], logits.device_mesh.size()
     start = min(-(-vocab // parts) * logits.device_mesh.get_local_rank(), vocab)
     return local, logits.device_mesh.get_group(), start
+
+
+def gather_shard_statistics(statistics: list[torch.Tensor], group: dist.ProcessGroup) -> torch.Tensor:
+    """Every vocabulary shard's per-row statistics (k float32 vectors of N rows each, this rank's first) as
+    one `[shards, k, N]` tensor: the one all-gather of k N numbers a vocab-parallel loss needs."""
+    local = torch.stack(statistics)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return torch.stack(parts)
 
 
 class VocabParallelHead(ColwiseParallel):
