@@ -71,14 +71,16 @@ def test_components_add_up_to_the_step_and_the_idle_is_the_pipeline_timing(profi
         idle, dp = (sum(step["components"][component] for step in local["steps"])
                     for component in ("pipeline idle", "dp communication"))
         timing = sum(step["idle_seconds"] for step in local["pipeline_timing"])
-        # two clocks reading nearly the same moments: a rank descheduled between a label and the pipeline's own
-        # timer (four processes share two cores; a scheduler slice is a few ms) moves one reading, per step
+        # two clocks reading nearly the same moments. The pipeline's timers nest around the trace's marks (the
+        # step's outside its label, each chunk's inside), so the trace's idle never exceeds the timing's but by
+        # the trace's microsecond rounding; a rank descheduled between a chunk's label and its timer (four
+        # processes share two cores; a scheduler slice is a few ms) lengthens only the timing's idle, per step
         slack = 0.05 * timing + 2e-3 * STEPS
         if LAYOUTS[name][2] == "replicate":  # the dp reduction runs after the schedule
             assert abs(idle - timing) <= 0.2 * timing, (local["rank"], idle, timing)
         else:  # FSDP2 reduce-scatters inside the schedule, after the last backward chunk: the pipeline's
             # timing counts that as idle, the breakdown as dp communication
-            assert idle - slack <= timing <= idle + dp + slack, (local["rank"], idle, dp, timing)
+            assert idle - 1e-3 <= timing <= idle + dp + slack, (local["rank"], idle, dp, timing)
 
 
 @pytest.mark.distributed

@@ -39,12 +39,14 @@ class StageTiming:
     """Time of the last training step on this rank, the time its stages spent computing and, under the
     package's executor, the time it waited for another rank's data.
 
-    busy = time inside this rank's stages' forward, backward and weight-gradient chunks and the last
-    stage's loss (communication between stages excluded), idle = step - busy. Theory for GPipe / 1F1B
-    with p stages and m micro-batches: idle fraction (p - 1) / (m + p - 1). wait = time blocked on
-    point-to-point communication (the executor's waits for received activations and gradients; torch's
-    schedule's waits for its batched sends and receives); step - busy - wait is the runner's own host
-    work. `actions` = compute chunks of the step.
+    busy = time inside this rank's stages' forward, backward and weight-gradient chunks (the last stage's
+    loss and communication between stages excluded), idle = step - busy. The step's timer starts before
+    and stops after the profiler's schedule label, each chunk's timer runs inside its compute label, so
+    idle is never less than the trace's pipeline idle (`StepProfiler`), whatever the host's scheduling.
+    Theory for GPipe / 1F1B with p stages and m micro-batches: idle fraction (p - 1) / (m + p - 1).
+    wait = time blocked on point-to-point communication (the executor's waits for received activations
+    and gradients; torch's schedule's waits for its batched sends and receives); step - busy - wait is the
+    runner's own host work. `actions` = compute chunks of the step.
     Measured on the device's clock (`DeviceInterval`: CUDA events on a GPU), resolved when read, so an
     unread timing costs the step no synchronisation.
     """
@@ -105,12 +107,12 @@ def _timed(compute: Callable[..., object], timing: StageTiming) -> Callable[...,
     """`compute` as a chunk of `timing`, labelled as the pipeline's compute on the profiler's timeline."""
 
     def timed(*args: object, **kwargs: object) -> object:
-        interval = timing.chunk()
-        try:
-            with label(PIPELINE_COMPUTE):
+        with label(PIPELINE_COMPUTE):  # the timer inside the label, the step's timer around the schedule's
+            interval = timing.chunk()
+            try:
                 return compute(*args, **kwargs)
-        finally:
-            interval.stop()
+            finally:
+                interval.stop()
 
     return timed
 
@@ -251,8 +253,8 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         # A schedule's first step infers the stages' shapes by a backward through uninitialised tensors (torch
         # 2.13), which anomaly detection (`Trainer(detect_anomaly=True)`) takes for a NaN on the last stage only.
+        self.timing.start_step()
         with label(PIPELINE_SCHEDULE):
-            self.timing.start_step()
             with (torch.autograd.set_detect_anomaly(False) if first_step else contextlib.nullcontext(),
                   self._loss_logits()):
                 if first_step or not self.own_executor:
@@ -261,7 +263,7 @@ class PipelineRunner:
                 else:
                     losses = executor.step(input_ids.tensor_split(self.num_microbatches) if args else None,
                                            target.tensor_split(self.num_microbatches) if target is not None else None)
-            self.timing.stop_step()
+        self.timing.stop_step()
         loss = None
         if self.has_last_stage:
             loss = torch.stack([value.detach() for value in losses]).mean() / self.loss_scale
