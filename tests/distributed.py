@@ -20,6 +20,7 @@ reference on the cores the ranks leave idle, before it takes the ranks' results.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import gc
 import importlib
@@ -39,8 +40,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["PendingRun", "results_by_name", "run_distributed", "shutdown_workers", "start_distributed",
-           "worker_pids"]
+__all__ = ["PendingRun", "released_process_groups", "results_by_name", "run_distributed", "shutdown_workers",
+           "start_distributed", "worker_pids"]
 
 # after the first rank fails, how long the others have to finish (or fail) before they count as stuck
 GRACE_SECONDS = 10.0
@@ -108,6 +109,26 @@ def _clear_dtensor_caches() -> None:
     clear_redistribute_planner_cache()
     for cache in _distributed_caches():
         cache.cache_clear()
+
+
+@contextlib.contextmanager
+def released_process_groups() -> Iterator[None]:
+    """Destroy the process groups the block creates (each fit's device mesh is new gloo groups) when it ends,
+    after a barrier of the world: a group's gloo context keeps transport threads that wake every 10 ms while
+    it lives, so a job running many fits would otherwise pile up hundreds of them on two cores (every one
+    kept until the default group goes at the job's end). DTensor's caches, which hold meshes, go too."""
+    from torch.distributed import distributed_c10d
+
+    before = set(distributed_c10d._world.pg_map)  # torch 2.13's private registry of live groups
+    try:
+        yield
+    finally:
+        if distributed_c10d.is_initialized():
+            distributed_c10d.barrier()
+            world = distributed_c10d._get_default_group()  # kept: the job's end destroys it
+            for group in [group for group in distributed_c10d._world.pg_map if group not in before | {world}]:
+                distributed_c10d.destroy_process_group(group)
+        _clear_dtensor_caches()
 
 
 def _distributed_caches() -> Iterator[Any]:

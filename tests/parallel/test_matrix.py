@@ -23,7 +23,7 @@ from lightning_tp3d import ModelConfig, TP3DStrategy
 from lightning_tp3d.data import TokenDataModule
 from lightning_tp3d.models import CausalLMModule
 from lightning_tp3d.plan.schedules import PIPELINE_SCHEDULES
-from tests.distributed import results_by_name
+from tests.distributed import released_process_groups, results_by_name
 from tests.helpers import (
     LEARNING_RATE,
     SEQ_LEN,
@@ -127,8 +127,13 @@ def _test_and_predict(tp: int, schedule: str, mode: str) -> dict[str, Any]:
 
 
 def run_world(world: int) -> dict[str, Any]:
-    results = {name: _fit(**configuration) for table in (GRID, CORNERS) for name, configuration in table[world].items()}
-    results[f"test-predict-{world}"] = _test_and_predict(**EVALUATIONS[world])
+    results = {}
+    for table in (GRID, CORNERS):
+        for name, configuration in table[world].items():
+            with released_process_groups():
+                results[name] = _fit(**configuration)
+    with released_process_groups():
+        results[f"test-predict-{world}"] = _test_and_predict(**EVALUATIONS[world])
     return results
 
 
