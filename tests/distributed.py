@@ -120,15 +120,13 @@ def released_process_groups() -> Iterator[None]:
     from torch.distributed import distributed_c10d
 
     before = set(distributed_c10d._world.pg_map)  # torch 2.13's private registry of live groups
-    try:
-        yield
-    finally:
-        if distributed_c10d.is_initialized():
-            distributed_c10d.barrier()
-            world = distributed_c10d._get_default_group()  # kept: the job's end destroys it
-            for group in [group for group in distributed_c10d._world.pg_map if group not in before | {world}]:
-                distributed_c10d.destroy_process_group(group)
-        _clear_dtensor_caches()
+    yield  # a block that raises leaves its groups to the job's end: a barrier now would hide its traceback
+    if distributed_c10d.is_initialized():
+        distributed_c10d.barrier()
+        world = distributed_c10d._get_default_group()  # kept: the job's end destroys it
+        for group in [group for group in distributed_c10d._world.pg_map if group not in before | {world}]:
+            distributed_c10d.destroy_process_group(group)
+    _clear_dtensor_caches()
 
 
 def _distributed_caches() -> Iterator[Any]:

@@ -54,7 +54,7 @@ from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions
 from lightning_tp3d.plan.moe import MoEModelConfig, expert_ledger
 from lightning_tp3d.plan.moe_communication import moe_communication_ledger
-from tests.distributed import results_by_name
+from tests.distributed import released_process_groups, results_by_name
 from tests.helpers import (
     BF16_MIXED_GRADIENT_TOLERANCE,
     LEARNING_RATE,
@@ -174,6 +174,7 @@ RESUME = {"resume": dict(tp=1, pp=2, mode="fsdp", resume="tp2-pp2-dp1-1f1b-repli
           "resume-experts-zero1": dict(tp=1, pp=2, mode="fsdp", experts=2, resume="tp1-pp1-dp4-ep2-zero1")}
 
 
+@released_process_groups()
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool = False, save: bool = False,
          resume: str | None = None, experts: int = 1, world: int = 4, schedule: str = "1f1b",
          microbatches: int = 2, recompute: str = "none", precision: str = "32-true") -> dict[str, Any]:
@@ -203,6 +204,7 @@ def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, export: bool =
 FABRIC_RUN = "fabric-tp1-pp2-dp2-ep2-1f1b-replicate"
 
 
+@released_process_groups()
 def _fabric_fit(tp: int, pp: int, experts: int) -> dict[str, Any]:
     """The module's model and optimizer in a Fabric loop (`TP3DFabricStrategy(expert_parallel_size=...)`):
     the loss is the model's own, the logged loss its mean over the dp ranks."""
@@ -238,6 +240,7 @@ def run_world(size: int, directory: str) -> dict[str, Any]:
     return results | {FABRIC_RUN: _fabric_fit(tp=1, pp=2, experts=2), "skewed-routing": _skewed_routing()}
 
 
+@released_process_groups()
 def _skewed_routing() -> dict[str, Any]:
     """`ExpertParallelExperts` over a (2, 2) ("edp", "ep") mesh against transformers' experts module when
     every token of every rank chooses experts 0 and 1, both on ep rank 0: rank 1 of each ep group receives

@@ -40,7 +40,7 @@ from lightning_tp3d.plan.communication import communication_ledger
 from lightning_tp3d.plan.config import ModelConfig
 from lightning_tp3d.plan.layout import ParallelLayout
 from lightning_tp3d.plan.ledger import TrainingOptions
-from tests.distributed import results_by_name
+from tests.distributed import released_process_groups, results_by_name
 from tests.helpers import (
     BF16_MIXED_LORA_GRADIENT_TOLERANCE,
     LEARNING_RATE,
@@ -153,6 +153,7 @@ RESUMES = {"adapters-only-resumed-tp1-pp2-dp2": dict(tp=1, pp=2, mode="fsdp", sa
 CONFIGURATIONS = {name: configuration for runs in RUNS.values() for name, configuration in runs.items()}
 
 
+@released_process_groups()
 def _fit(directory: Path, name: str, tp: int, pp: int, mode: str, save: bool = False, save_frozen_weights: bool = True,
          resume: str | None = None, other_base: bool = False, schedule: str = "1f1b",
          recompute: str = "none", recompute_target: str | None = None, num_microbatches: int = 2,

@@ -49,7 +49,7 @@ from lightning_tp3d.parallel.attributes import indexed_blocks
 from lightning_tp3d.parallel.compile import compile_blocks
 from lightning_tp3d.parallel.float8 import check_float8_device, convert_blocks_to_float8
 from lightning_tp3d.strategies.precision import check_supported_precision
-from tests.distributed import run_distributed
+from tests.distributed import released_process_groups, run_distributed
 from tests.helpers import (
     LEARNING_RATE,
     SEQ_LEN,
@@ -107,6 +107,7 @@ def _loss(network: torch.nn.Module, model: str, input_ids: torch.Tensor, labels:
     return network(input_ids, labels=labels)
 
 
+@released_process_groups()
 def _fit(tp: int, pp: int, mode: str, recipe: str | None, options: dict[str, Any]) -> dict[str, Any]:
     dp = world_size() // (tp * pp)
     logger, capture = MemoryLogger(), CaptureGradients()

@@ -82,6 +82,7 @@ CONFIGURATIONS = {name: configuration for table in (GRID, CORNERS) for world in 
                   for name, configuration in table[world].items()}
 
 
+@released_process_groups()
 def _fit(tp: int, mode: str, pp: int = 2, schedule: str = "1f1b", microbatches: int = 2, accumulate: int = 1,
          model: ModelConfig | str = "tiny", **options: Any) -> dict[str, Any]:
     """`STEPS` steps of training, then one validation pass (the pipeline's forward-only path)."""
@@ -114,6 +115,7 @@ EVALUATIONS = {4: dict(tp=1, schedule="looped_bfs", mode="replicate"),
 EVALUATION_BATCH = 4
 
 
+@released_process_groups()
 def _test_and_predict(tp: int, schedule: str, mode: str) -> dict[str, Any]:
     def trainer() -> L.Trainer:
         strategy = TP3DStrategy(tensor_parallel_size=tp, pipeline_parallel_size=2, pipeline_schedule=schedule,
@@ -127,13 +129,8 @@ def _test_and_predict(tp: int, schedule: str, mode: str) -> dict[str, Any]:
 
 
 def run_world(world: int) -> dict[str, Any]:
-    results = {}
-    for table in (GRID, CORNERS):
-        for name, configuration in table[world].items():
-            with released_process_groups():
-                results[name] = _fit(**configuration)
-    with released_process_groups():
-        results[f"test-predict-{world}"] = _test_and_predict(**EVALUATIONS[world])
+    results = {name: _fit(**configuration) for table in (GRID, CORNERS) for name, configuration in table[world].items()}
+    results[f"test-predict-{world}"] = _test_and_predict(**EVALUATIONS[world])
     return results
 
 
