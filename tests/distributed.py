@@ -113,10 +113,11 @@ def _clear_dtensor_caches() -> None:
 
 @contextlib.contextmanager
 def released_process_groups() -> Iterator[None]:
-    """Destroy the process groups the block creates (each fit's device mesh is new gloo groups) when it ends,
-    after a barrier of the world: a group's gloo context keeps transport threads that wake every 10 ms while
-    it lives, so a job running many fits would otherwise pile up hundreds of them on two cores (every one
-    kept until the default group goes at the job's end). DTensor's caches, which hold meshes, go too."""
+    """Destroy the process groups the block creates (each fit's device mesh is new gloo groups) when it ends
+    without raising, after a barrier of the world (also a decorator, per call). A group's gloo context keeps
+    transport threads that wake every 10 ms while it lives, so a job running many fits would otherwise pile
+    up hundreds of them on two cores (every one kept until the default group goes at the job's end).
+    DTensor's caches, which hold meshes, go too."""
     from torch.distributed import distributed_c10d
 
     before = set(distributed_c10d._world.pg_map)  # torch 2.13's private registry of live groups

@@ -34,12 +34,9 @@ IGNORED = {"seconds", "rank"}
 
 def run_world(directory: str) -> dict[tuple[str, str], dict[str, Any]]:
     assert world_size() == WORLD
-    records = {}
-    for name, case in CASES.items():
-        for layout in case.layouts:
-            with released_process_groups():
-                records[name, layout] = run_case(name, layout, Path(directory) / name / layout)
-    return records
+    run_released = released_process_groups()(run_case)
+    return {(name, layout): run_released(name, layout, Path(directory) / name / layout)
+            for name, case in CASES.items() for layout in case.layouts}
 
 
 _references: dict[tuple[str, int], dict[str, Any] | Exception] = {}
